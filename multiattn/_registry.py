@@ -1,0 +1,142 @@
+"""Which backends exist, how to load one, and which framework a tensor belongs to.
+
+Nothing here imports a framework: a backend module is imported only when it is
+asked for by name, and a tensor's framework is read off its type's module path
+(as einops does), so a framework the user has not imported stays unimported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+# name -> (import name of the framework, pip extra, module prefixes of its tensor types).
+# Adding a backend: one line here, one module in multiattn/backends/, one tox env.
+BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "numpy": ("numpy", "numpy", ("numpy",)),
+    "torch": ("torch", "torch", ("torch",)),
+    "tensorflow": ("tensorflow", "tensorflow", ("tensorflow", "keras", "tf_keras")),
+    "jax": ("jax", "jax", ("jax", "jaxlib")),
+    "mxnet": ("mxnet", "mxnet", ("mxnet",)),
+    "paddle": ("paddle", "paddle", ("paddle",)),
+    "mlx": ("mlx.core", "mlx", ("mlx.core",)),
+}
+
+ENV_VAR = "MULTIATTN_BACKEND"
+DEFAULT_BACKEND = "numpy"
+
+class BackendImportError(ImportError):
+    """A backend cannot be loaded; the message says why and what to do."""
+
+
+_loaded: dict[str, ModuleType] = {}
+_framework_of_type: dict[type, str | None] = {}
+
+
+def _check_name(name: object, source: str = "backend name") -> str:
+    if not isinstance(name, str) or name not in BACKENDS:
+        raise ValueError(
+            f"unknown multiattn backend {name!r} ({source}); "
+            f"known backends: {', '.join(BACKENDS)}"
+        )
+    return name
+
+
+def selected_backend() -> str:
+    """The name in MULTIATTN_BACKEND (default 'numpy'), checked against the registry."""
+    name = os.environ.get(ENV_VAR, "").strip() or DEFAULT_BACKEND
+    return _check_name(name, f"from the {ENV_VAR} environment variable")
+
+
+def get_backend(name: str) -> ModuleType:
+    """Import (once) and return the backend module ``multiattn.backends.<name>``."""
+    module = _loaded.get(name)
+    if module is not None:
+        return module
+    _check_name(name)
+    framework, extra, _ = BACKENDS[name]
+    install = f"pip install 'multiattn[{extra}]'"
+    try:
+        module = importlib.import_module(f"multiattn.backends.{name}")
+    except ModuleNotFoundError as err:
+        if (err.name or "multiattn").startswith("multiattn"):
+            raise
+        raise BackendImportError(
+            f"multiattn backend {name!r} needs the {err.name!r} package, which is not "
+            f"installed; install it with: {install}"
+        ) from err
+    except BackendImportError:
+        raise
+    except ImportError as err:
+        raise BackendImportError(
+            f"multiattn backend {name!r}: importing {framework!r} failed ({err}); "
+            f"reinstall it with: {install}"
+        ) from err
+    _loaded[name] = module
+    return module
+
+
+def framework_of(x: Any) -> str | None:
+    """The backend name whose framework made ``x`` (None for Python objects)."""
+    cls = type(x)
+    try:
+        return _framework_of_type[cls]
+    except KeyError:
+        pass
+    found = None
+    for klass in cls.__mro__:
+        module = getattr(klass, "__module__", "") or ""
+        for name, (_, _, prefixes) in BACKENDS.items():
+            if any(module == p or module.startswith(p + ".") for p in prefixes):
+                found = name
+                break
+        if found:
+            break
+    _framework_of_type[cls] = found
+    return found
+
+
+def framework_of_call(**tensors: Any) -> str:
+    """The one framework shared by the named tensors; TypeError naming both if mixed."""
+    seen: tuple[str, str] | None = None
+    for arg, x in tensors.items():
+        if x is None:
+            continue
+        name = framework_of(x)
+        if name is None:
+            raise TypeError(
+                f"{arg} must be a tensor of one of {', '.join(BACKENDS)}, "
+                f"got {type(x).__module__}.{type(x).__qualname__}"
+            )
+        if seen is None:
+            seen = (arg, name)
+        elif name != seen[1]:
+            raise TypeError(
+                f"tensors of two frameworks in one call: {seen[0]} is a {seen[1]} tensor "
+                f"but {arg} is a {name} tensor; convert them to one framework first"
+            )
+    if seen is None:
+        raise TypeError("no tensor given")
+    return seen[1]
+
+
+def check_framework(expected: str, **tensors: Any) -> None:
+    """Raise TypeError unless every non-None tensor belongs to ``expected``."""
+    for arg, x in tensors.items():
+        if x is None:
+            continue
+        name = framework_of(x)
+        if name != expected:
+            got = f"a {name} tensor" if name else f"{type(x).__module__}.{type(x).__qualname__}"
+            raise TypeError(
+                f"{arg} must be a {expected} tensor for the {expected} backend, got {got}; "
+                f"convert it first (e.g. multiattn.get_backend({expected!r}).from_numpy)"
+            )
+
+
+def is_imported(name: str) -> bool:
+    return BACKENDS[name][0] in sys.modules

@@ -1,0 +1,180 @@
+"""numpy backend: a first-class backend, not only a test reference.
+
+Layers hold numpy parameters, draw their initial weights and dropout masks
+from a seedable ``numpy.random.Generator``, and have a ``training`` flag
+(``.train()`` / ``.eval()``) like the framework layers.  No autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import numpy as np
+
+from .. import core
+from .._registry import check_framework
+from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16")  # numpy has no bfloat16
+
+Seed = Union[None, int, np.random.Generator]
+
+
+class NumpyOps:
+    name = "numpy"
+
+    def shape(self, x):
+        return x.shape
+
+    def dtype_kind(self, x):
+        return x.dtype.kind
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def expand_dims(self, x, axis):
+        return np.expand_dims(x, axis)
+
+    def matmul(self, a, b):
+        return np.matmul(a, b)
+
+    def matmul_t(self, a, b):
+        return np.matmul(a, np.swapaxes(b, -1, -2))
+
+    def tanh(self, x):
+        return np.tanh(x)
+
+    def softmax(self, x):
+        work = x.astype(np.float32) if x.dtype.itemsize < 4 else x
+        e = np.exp(work - work.max(axis=-1, keepdims=True, initial=-np.inf))
+        return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+
+    def length_mask(self, x, lens):
+        return np.arange(x.shape[-1]) < lens[..., None]
+
+    def where(self, mask, x, fill):
+        return np.where(mask, x, np.asarray(fill, dtype=x.dtype))
+
+    def lowest(self, x):
+        return float(np.finfo(x.dtype).min)
+
+
+ops = NumpyOps()
+
+
+def _arrays(**tensors: Any) -> None:
+    check_framework("numpy", **tensors)
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
+    """A numpy copy of ``array`` (in ``dtype`` if given)."""
+    return np.array(array, dtype=dtype)
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    return np.asarray(tensor)
+
+
+def masked_softmax(X: np.ndarray, valid_lens: Optional[np.ndarray] = None) -> np.ndarray:
+    _arrays(X=X, valid_lens=valid_lens)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(
+    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid_lens: Optional[np.ndarray] = None
+) -> np.ndarray:
+    _arrays(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
+
+
+class _Layer:
+    """The training flag and dropout of the numpy layers."""
+
+    def __init__(self, dropout: float, seed: Seed) -> None:
+        self.dropout = check_dropout(dropout)
+        self.rng = np.random.default_rng(seed)
+        self.training = True
+        self.attention_weights: Optional[np.ndarray] = None
+
+    def train(self, mode: bool = True):
+        self.training = bool(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def _dropout(self, weights: np.ndarray) -> np.ndarray:
+        if not self.training or self.dropout == 0.0:
+            return weights
+        keep = self.rng.random(weights.shape) >= self.dropout
+        return np.where(keep, weights / (1.0 - self.dropout), 0).astype(weights.dtype)
+
+
+class DotProductAttention(_Layer):
+    """Scaled dot-product attention; ``seed`` seeds the dropout masks."""
+
+    def __init__(self, dropout: float = 0.0, *, seed: Seed = None) -> None:
+        super().__init__(dropout, seed)
+
+    def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
+        _arrays(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.dot_product_attention(
+            ops, queries, keys, values, valid_lens, self._dropout
+        )
+        return out
+
+
+class AdditiveAttention(CanonicalWeightsMixin, _Layer):
+    """Additive attention with parameters W_q, W_k, w_v in the canonical layout.
+
+    Initialised like ``torch.nn.Linear`` (uniform in +-1/sqrt(fan_in)) from
+    ``seed``; ``dtype`` is the parameters' dtype.  The computation runs in the
+    inputs' dtype, so the output dtype is the input dtype.
+    """
+
+    def __init__(
+        self,
+        key_size: int,
+        query_size: int,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        seed: Seed = None,
+        dtype: Any = "float32",
+    ) -> None:
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        super().__init__(dropout, seed)
+        self.dtype = np.dtype(dtype)
+
+        def init(shape, fan_in):
+            bound = 1.0 / np.sqrt(fan_in)
+            return self.rng.uniform(-bound, bound, shape).astype(self.dtype)
+
+        self.W_q = init((self.num_hiddens, self.query_size), self.query_size)
+        self.W_k = init((self.num_hiddens, self.key_size), self.key_size)
+        self.w_v = init((self.num_hiddens,), self.num_hiddens)
+
+    def _read_weights(self) -> CanonicalWeights:
+        return {"W_q": self.W_q.copy(), "W_k": self.W_k.copy(), "w_v": self.w_v.copy()}
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        for key, value in weights.items():
+            setattr(self, key, value.astype(self.dtype))
+
+    def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
+        _arrays(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        dtype = queries.dtype
+        out, self.attention_weights = core.additive_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            project_q=lambda q: q @ self.W_q.T.astype(dtype, copy=False),
+            project_k=lambda k: k @ self.W_k.T.astype(dtype, copy=False),
+            w_v=self.w_v.astype(dtype, copy=False),
+            query_size=self.query_size,
+            key_size=self.key_size,
+            dropout=self._dropout,
+        )
+        return out

@@ -1,0 +1,175 @@
+"""PyTorch backend: ``torch.nn.Module`` layers over the shared core.
+
+The layers keep d2l's attribute names (``W_q``, ``W_k``, ``w_v`` as
+``nn.Linear(bias=False)``, ``dropout`` as ``nn.Dropout``), so a state_dict
+saved from d2l's ``AdditiveAttention`` loads into ours and back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import core
+from .._registry import check_framework
+from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class TorchOps:
+    name = "torch"
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def dtype_kind(self, x):
+        dtype = x.dtype
+        if dtype == torch.bool:
+            return "b"
+        if dtype.is_complex:
+            return "c"
+        if dtype.is_floating_point:
+            return "f"
+        return "u" if dtype == torch.uint8 else "i"
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def expand_dims(self, x, axis):
+        return x.unsqueeze(axis)
+
+    def matmul(self, a, b):
+        return torch.matmul(a, b)
+
+    def matmul_t(self, a, b):
+        return torch.matmul(a, b.transpose(-1, -2))
+
+    def tanh(self, x):
+        return torch.tanh(x)
+
+    def softmax(self, x):
+        if x.dtype in _HALF:
+            return torch.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)
+        return torch.softmax(x, dim=-1)
+
+    def length_mask(self, x, lens):
+        return torch.arange(x.shape[-1], device=x.device) < lens.to(x.device).unsqueeze(-1)
+
+    def where(self, mask, x, fill):
+        return torch.where(mask, x, fill)
+
+    def lowest(self, x):
+        return torch.finfo(x.dtype).min
+
+
+ops = TorchOps()
+
+
+def _tensors(**tensors: Any) -> None:
+    check_framework("torch", **tensors)
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> torch.Tensor:
+    """A new torch tensor with the values of ``array`` (cast to ``dtype``, e.g. "bfloat16")."""
+    tensor = torch.from_numpy(np.array(array))
+    return tensor if dtype is None else tensor.to(getattr(torch, dtype))
+
+
+def to_numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A numpy copy (bfloat16, which numpy lacks, comes back as float32)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        tensor = tensor.float()
+    return tensor.numpy().copy()
+
+
+def masked_softmax(X: torch.Tensor, valid_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    _tensors(X=X, valid_lens=valid_lens)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    valid_lens: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
+
+
+class DotProductAttention(nn.Module):
+    """Scaled dot-product attention; dropout on the weights in training mode only."""
+
+    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[torch.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.dot_product_attention(
+            ops, queries, keys, values, valid_lens, self.dropout
+        )
+        return out
+
+
+class AdditiveAttention(CanonicalWeightsMixin, nn.Module):
+    """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
+
+    def __init__(
+        self,
+        key_size: int,
+        query_size: int,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        linear = dict(bias=False, device=device, dtype=dtype)
+        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
+        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
+        self.w_v = nn.Linear(self.num_hiddens, 1, **linear)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[torch.Tensor] = None
+
+    def _read_weights(self) -> CanonicalWeights:
+        # nn.Linear stores (out, in): W_q and W_k are already canonical.
+        return {
+            "W_q": to_numpy(self.W_q.weight),
+            "W_k": to_numpy(self.W_k.weight),
+            "w_v": to_numpy(self.w_v.weight).reshape(-1),
+        }
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        with torch.no_grad():
+            for key, value in weights.items():
+                param = getattr(self, key).weight
+                param.copy_(torch.from_numpy(value).reshape(param.shape))
+
+    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.additive_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            project_q=self.W_q,
+            project_k=self.W_k,
+            w_v=self.w_v.weight[0],
+            query_size=self.query_size,
+            key_size=self.key_size,
+            dropout=self.dropout,
+        )
+        return out

@@ -1,0 +1,171 @@
+"""The scoring math of d2l section 11.3, written once for every framework.
+
+Every function takes ``ops``, an object of the ``multiattn.protocol.Ops``
+protocol, and never names a framework.  Adapters wrap these functions in
+their framework's classes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from .protocol import Ops, Shape, Tensor
+
+Dropout = Optional[Callable[[Tensor], Tensor]]
+
+
+class InputDtypeError(TypeError, ValueError):
+    """An argument has a dtype the math cannot use (both a TypeError and a ValueError)."""
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is None or b is None or a == b
+
+
+def _fmt(shape: Shape) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def _check_float(ops: Ops, arg: str, x: Tensor) -> None:
+    if ops.dtype_kind(x) != "f":
+        raise InputDtypeError(f"{arg} must have a floating dtype, got {getattr(x, 'dtype', type(x))}")
+
+
+def _check_valid_lens(ops: Ops, valid_lens: Tensor, batch: Any, queries: Any) -> Shape:
+    shape = ops.shape(valid_lens)
+    ok = (len(shape) == 1 and _same(shape[0], batch)) or (
+        len(shape) == 2 and _same(shape[0], batch) and _same(shape[1], queries)
+    )
+    if not ok:
+        raise ValueError(
+            f"valid_lens must have shape {_fmt((batch,))} (batch,) or {_fmt((batch, queries))} "
+            f"(batch, queries), got {_fmt(shape)}"
+        )
+    if ops.dtype_kind(valid_lens) not in "iuf":
+        raise InputDtypeError(
+            f"valid_lens must have an integer or float dtype, got {getattr(valid_lens, 'dtype', '?')}"
+        )
+    return shape
+
+
+def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
+    """Softmax over the last axis of X with positions ``>= valid_len`` set to exactly 0.
+
+    A fully masked row (valid_len <= 0) is all zeros; lengths above the row
+    length act as the row length.  The mask is broadcast, never copied per row.
+    """
+    _check_float(ops, "X", X)
+    if valid_lens is None:
+        return ops.softmax(X)
+    shape = ops.shape(X)
+    if len(shape) != 3:
+        raise ValueError(
+            f"X must be 3-D (batch, queries, keys) when valid_lens is given, got shape {_fmt(shape)}"
+        )
+    lens_shape = _check_valid_lens(ops, valid_lens, shape[0], shape[1])
+    if len(lens_shape) == 1:  # one length per batch element, broadcast over the queries
+        valid_lens = ops.reshape(valid_lens, (lens_shape[0], 1))
+    mask = ops.length_mask(X, valid_lens)
+    # A finite fill (not -inf) keeps fully masked rows and their gradients free
+    # of NaN; the second where makes masked weights exactly 0, not just tiny.
+    weights = ops.softmax(ops.where(mask, X, ops.lowest(X)))
+    return ops.where(mask, weights, 0.0)
+
+
+def check_attention_inputs(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    query_size: Any = None,
+    key_size: Any = None,
+    same_width: bool = False,
+) -> None:
+    """ValueError naming the argument, the expected and the actual shape."""
+    names = ("queries", "keys", "values")
+    shapes = [ops.shape(t) for t in (queries, keys, values)]
+    for arg, shape, rows in zip(names, shapes, ("queries", "keys", "keys")):
+        if len(shape) != 3:
+            raise ValueError(f"{arg} must be 3-D (batch, {rows}, features), got shape {_fmt(shape)}")
+    for arg, x in zip(names, (queries, keys, values)):
+        _check_float(ops, arg, x)
+    (batch, n_queries, q_width), (_, n_keys, k_width), _ = shapes
+    for arg, shape in zip(names[1:], shapes[1:]):
+        if not _same(shape[0], batch):
+            raise ValueError(
+                f"{arg} must have batch size {batch} like queries, got shape {_fmt(shape)}"
+            )
+    if not _same(shapes[2][1], n_keys):
+        raise ValueError(
+            f"values must have {n_keys} rows like keys (one value per key), got shape {_fmt(shapes[2])}"
+        )
+    if same_width and not _same(k_width, q_width):
+        raise ValueError(
+            f"keys must have width {q_width} like queries (dot-product attention), "
+            f"got shape {_fmt(shapes[1])}"
+        )
+    if same_width and q_width == 0:
+        raise ValueError("queries must have a non-zero width (the scores are divided by sqrt(width))")
+    for arg, label, size, width, shape in (
+        ("queries", "query_size", query_size, q_width, shapes[0]),
+        ("keys", "key_size", key_size, k_width, shapes[1]),
+    ):
+        if size is not None and not _same(width, size):
+            raise ValueError(f"{arg} must have width {label}={size}, got shape {_fmt(shape)}")
+    if valid_lens is not None:
+        _check_valid_lens(ops, valid_lens, batch, n_queries)
+
+
+def attend(
+    ops: Ops, scores: Tensor, values: Tensor, valid_lens: Tensor = None, dropout: Dropout = None
+) -> tuple[Tensor, Tensor]:
+    """(masked_softmax(scores) @ values with dropout on the weights, weights before dropout)."""
+    weights = masked_softmax(ops, scores, valid_lens)
+    dropped = weights if dropout is None else dropout(weights)
+    return ops.matmul(dropped, values), weights
+
+
+def dot_product_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """softmax(Q K^T / sqrt(d)) V; returns (output, attention weights)."""
+    check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    d = ops.shape(queries)[-1]
+    scores = ops.matmul_t(queries, keys) / math.sqrt(d)
+    return attend(ops, scores, values, valid_lens, dropout)
+
+
+def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -> Tensor:
+    """w_v^T tanh(W_q q + W_k k) for every (query, key) pair: (B,Q,h), (B,K,h), (h,) -> (B,Q,K)."""
+    features = ops.tanh(ops.expand_dims(q_hidden, 2) + ops.expand_dims(k_hidden, 1))
+    return ops.matmul(features, w_v)
+
+
+def additive_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    project_q: Callable[[Tensor], Tensor],
+    project_k: Callable[[Tensor], Tensor],
+    w_v: Tensor,
+    query_size: int,
+    key_size: int,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """Additive attention; project_q/project_k apply W_q/W_k (the layer's own linear maps)."""
+    check_attention_inputs(
+        ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
+    )
+    scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
+    return attend(ops, scores, values, valid_lens, dropout)

@@ -1,0 +1,101 @@
+"""What every adapter's layer classes share: argument checks and canonical weights.
+
+The canonical (math) layout of the additive weights is the one of d2l's
+formula a(q, k) = w_v^T tanh(W_q q + W_k k):
+W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
+Adapters only say how to read and write their own parameters in that layout.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Dict, Mapping
+
+import numpy as np
+
+WEIGHT_NAMES = ("W_q", "W_k", "w_v")
+CanonicalWeights = Dict[str, np.ndarray]
+
+
+def check_dropout(dropout: Any) -> float:
+    if (
+        isinstance(dropout, bool)
+        or not isinstance(dropout, numbers.Real)
+        or not 0.0 <= float(dropout) < 1.0
+    ):
+        raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
+    return float(dropout)
+
+
+def check_size(arg: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"{arg} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def check_sizes(key_size: Any, query_size: Any, num_hiddens: Any) -> tuple[int, int, int]:
+    return (
+        check_size("key_size", key_size),
+        check_size("query_size", query_size),
+        check_size("num_hiddens", num_hiddens),
+    )
+
+
+def weight_shapes(key_size: int, query_size: int, num_hiddens: int) -> dict[str, tuple[int, ...]]:
+    return {"W_q": (num_hiddens, query_size), "W_k": (num_hiddens, key_size), "w_v": (num_hiddens,)}
+
+
+def canonical_weights(
+    weights: Mapping[str, Any], key_size: int, query_size: int, num_hiddens: int
+) -> CanonicalWeights:
+    """Check a {"W_q", "W_k", "w_v"} dict against the layer's sizes; numpy copies."""
+    if not isinstance(weights, Mapping):
+        raise TypeError(
+            f"weights must be a dict with keys {', '.join(WEIGHT_NAMES)}, got {type(weights).__name__}"
+        )
+    unknown = sorted(set(weights) - set(WEIGHT_NAMES))
+    missing = [k for k in WEIGHT_NAMES if k not in weights]
+    if unknown or missing:
+        raise ValueError(
+            f"weights must have exactly the keys {', '.join(WEIGHT_NAMES)}; "
+            f"missing {missing or 'none'}, unknown {unknown or 'none'}"
+        )
+    out = {}
+    for key, expected in weight_shapes(key_size, query_size, num_hiddens).items():
+        value = np.array(weights[key])  # a copy: the layer never aliases the caller's array
+        if value.shape != expected:
+            raise ValueError(
+                f"weights[{key!r}] must have shape {expected}, got {value.shape}"
+            )
+        if value.dtype.kind not in "iuf":
+            raise ValueError(f"weights[{key!r}] must be real numbers, got dtype {value.dtype}")
+        out[key] = value
+    return out
+
+
+class CanonicalWeightsMixin:
+    """get_weights()/set_weights() in the canonical layout, for every adapter.
+
+    A subclass sets key_size, query_size, num_hiddens and implements
+    _read_weights() and _write_weights(dict of numpy arrays).
+    """
+
+    key_size: int
+    query_size: int
+    num_hiddens: int
+
+    def _read_weights(self) -> CanonicalWeights:
+        raise NotImplementedError
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        raise NotImplementedError
+
+    def get_weights(self) -> CanonicalWeights:
+        """{"W_q": (h, query_size), "W_k": (h, key_size), "w_v": (h,)} as numpy arrays."""
+        return self._read_weights()
+
+    def set_weights(self, weights: Mapping[str, Any]) -> None:
+        """Load weights given in the canonical layout (see get_weights)."""
+        self._write_weights(
+            canonical_weights(weights, self.key_size, self.query_size, self.num_hiddens)
+        )

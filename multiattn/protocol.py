@@ -1,0 +1,51 @@
+"""The tensor-ops protocol: the only thing the core math asks of a framework.
+
+Each adapter in ``multiattn.backends`` provides one object with these methods.
+They are primitives, not attention: the scoring math lives once, in
+``multiattn.core``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Tuple
+
+Tensor = Any
+Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
+
+
+class Ops(Protocol):
+    name: str  # backend name, as in the registry
+
+    def shape(self, x: Tensor) -> Shape:
+        """The shape as a tuple (None for dimensions unknown until run time)."""
+
+    def dtype_kind(self, x: Tensor) -> str:
+        """NumPy's kind letter of x's dtype: 'b' bool, 'i'/'u' integer, 'f' float, 'c' complex."""
+
+    def reshape(self, x: Tensor, shape: Shape) -> Tensor: ...
+
+    def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
+
+    def matmul(self, a: Tensor, b: Tensor) -> Tensor:
+        """Batched ``a @ b`` with NumPy's matmul broadcasting (b may be 1-D)."""
+
+    def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
+        """Batched ``a @ b^T``, the transpose over b's last two axes."""
+
+    def tanh(self, x: Tensor) -> Tensor: ...
+
+    def softmax(self, x: Tensor) -> Tensor:
+        """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
+
+    def length_mask(self, x: Tensor, lens: Tensor) -> Tensor:
+        """Boolean ``arange(x.shape[-1]) < lens[..., None]`` on x's device.
+
+        lens has shape (B, 1) or (B, Q) and any integer or float dtype; the
+        comparison is done in a dtype both sides share.
+        """
+
+    def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
+        """``x`` where mask is true, the scalar ``fill`` elsewhere; never in place."""
+
+    def lowest(self, x: Tensor) -> float:
+        """The most negative finite value of x's dtype."""

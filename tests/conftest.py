@@ -1,0 +1,89 @@
+"""Which backends this run tests.
+
+MULTIATTN_TEST_BACKENDS=numpy,torch names them; a named backend that cannot be
+imported fails the whole run (never a skip).  Unset: every installed backend.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import multiattn
+from multiattn._registry import BACKENDS
+
+from .harness import harness
+
+# paddle must be imported before tensorflow/keras (the other order segfaults in paddle).
+LOAD_ORDER = sorted(BACKENDS, key=lambda name: name != "paddle")
+
+_TESTED: list[str] = []
+_NOT_INSTALLED: list[str] = []
+
+
+def requested_backends() -> tuple[list[str], bool]:
+    raw = os.environ.get("MULTIATTN_TEST_BACKENDS", "").strip()
+    if not raw:
+        return list(BACKENDS), False
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise pytest.UsageError(
+            f"MULTIATTN_TEST_BACKENDS names unknown backends {unknown}; known: {', '.join(BACKENDS)}"
+        )
+    return names, True
+
+
+def pytest_configure(config):
+    names, explicit = requested_backends()
+    failures = []
+    for name in sorted(names, key=LOAD_ORDER.index):
+        try:
+            multiattn.get_backend(name)
+        except ImportError as err:
+            if explicit:
+                failures.append(f"  {name}: {err}")
+            else:
+                _NOT_INSTALLED.append(name)
+        else:
+            _TESTED.append(name)
+    if failures:
+        raise pytest.UsageError(
+            "MULTIATTN_TEST_BACKENDS names backends that cannot be imported; "
+            "a named backend is tested or the run fails:\n" + "\n".join(failures)
+        )
+    _TESTED.sort(key=list(BACKENDS).index)
+
+
+def pytest_report_header(config):
+    line = f"multiattn backends under test: {', '.join(_TESTED) or 'none'}"
+    if _NOT_INSTALLED:
+        line += f" (not installed, so not tested: {', '.join(_NOT_INSTALLED)})"
+    return line
+
+
+def tested_backends() -> list[str]:
+    return list(_TESTED)
+
+
+def pytest_generate_tests(metafunc):
+    if "bk" in metafunc.fixturenames:
+        metafunc.parametrize("bk", tested_backends(), indirect=True)
+    if "pair" in metafunc.fixturenames:
+        # each tested backend with itself, with numpy and with every other tested backend
+        names = tested_backends()
+        partners = sorted(set(names) | {"numpy"}, key=list(BACKENDS).index)
+        pairs = [(a, b) for i, a in enumerate(partners) for b in partners[i:] if a in names or b in names]
+        metafunc.parametrize("pair", pairs, ids=[f"{a}-{b}" for a, b in pairs], indirect=True)
+
+
+@pytest.fixture
+def bk(request):
+    return harness(request.param)
+
+
+@pytest.fixture
+def pair(request):
+    a, b = request.param
+    return harness(a), harness(b)
