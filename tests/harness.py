@@ -17,6 +17,8 @@ import multiattn
 class Harness:
     """Defaults fit numpy and most frameworks; subclasses override what differs."""
 
+    layers_convert_numpy = False  # do the layers accept numpy arrays (converting them)?
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.module = multiattn.get_backend(name)
@@ -63,15 +65,98 @@ class NumpyHarness(Harness):
 
 
 class TorchHarness(Harness):
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-        self.torch = importlib.import_module("torch")
+    def cast_layer(self, layer, dtype):
+        return layer.to(getattr(importlib.import_module("torch"), dtype))
+
+
+class PaddleHarness(Harness):
+    def cast_layer(self, layer, dtype):
+        layer.to(dtype=dtype)
+        return layer
+
+
+class MlxHarness(Harness):
+    def cast_layer(self, layer, dtype):
+        layer.set_dtype(getattr(importlib.import_module("mlx.core"), dtype))
+        return layer
+
+
+class MxnetHarness(Harness):
+    """Gluon: inference outside autograd.record(), training inside it."""
+
+    def eval(self, layer):
+        layer._harness_training = False
+        return layer
+
+    def train(self, layer):
+        layer._harness_training = True
+        return layer
 
     def cast_layer(self, layer, dtype):
-        return layer.to(getattr(self.torch, dtype))
+        layer.cast(dtype)
+        return layer
+
+    def call(self, layer, queries, keys, values, valid_lens=None):
+        if getattr(layer, "_harness_training", False):
+            with importlib.import_module("mxnet").autograd.record():
+                return layer(queries, keys, values, valid_lens)
+        return layer(queries, keys, values, valid_lens)
 
 
-HARNESSES = {"numpy": NumpyHarness, "torch": TorchHarness}
+class TensorFlowHarness(Harness):
+    """Keras: the mode is the training= argument of each call; the dtype a constructor argument."""
+
+    layers_convert_numpy = True
+
+    def eval(self, layer):
+        layer._harness_training = False
+        return layer
+
+    def train(self, layer):
+        layer._harness_training = True
+        return layer
+
+    def additive(self, key_size, query_size, num_hiddens, dropout=0.0, dtype="float32", weights=None):
+        layer = self.module.AdditiveAttention(key_size, query_size, num_hiddens, dropout, dtype=dtype)
+        if weights is not None:
+            layer.set_weights(weights)
+        return self.eval(layer)
+
+    def call(self, layer, queries, keys, values, valid_lens=None):
+        training = getattr(layer, "_harness_training", False)
+        return layer(queries, keys, values, valid_lens, training=training)
+
+
+class JaxHarness(Harness):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        importlib.import_module("jax").config.update("jax_enable_x64", True)  # for the float64 rows
+
+    def additive(self, key_size, query_size, num_hiddens, dropout=0.0, dtype="float32", weights=None):
+        param_dtype = getattr(importlib.import_module("jax.numpy"), dtype)
+        layer = self.module.AdditiveAttention(key_size, query_size, num_hiddens, dropout, param_dtype=param_dtype)
+        if weights is not None:
+            layer.set_weights(weights)
+        return self.eval(layer)
+
+    def eval(self, layer):
+        layer.eval()
+        return layer
+
+    def train(self, layer):
+        layer.train()
+        return layer
+
+
+HARNESSES = {
+    "numpy": NumpyHarness,
+    "torch": TorchHarness,
+    "tensorflow": TensorFlowHarness,
+    "jax": JaxHarness,
+    "mxnet": MxnetHarness,
+    "paddle": PaddleHarness,
+    "mlx": MlxHarness,
+}
 
 
 def harness(name: str) -> Harness:

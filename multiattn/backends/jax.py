@@ -1,0 +1,187 @@
+"""JAX backend: ``flax.nnx`` modules and jit/grad/vmap-friendly functions over the shared core.
+
+float64 needs ``jax.config.update("jax_enable_x64", True)``; without it,
+``from_numpy`` refuses float64 data instead of silently computing in float32.
+
+Attention weights: after an eager call or an ``nnx.jit`` call, read
+``m.attention_weights`` (kept in an ``nnx.Intermediate``); under plain
+``jax.jit`` (or anywhere) call ``m(..., return_weights=True)`` to get
+``(output, weights)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from .. import core
+from .._registry import check_framework
+from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
+class JaxOps:
+    name = "jax"
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def dtype_kind(self, x):
+        if jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16's numpy kind is 'V'
+            return "f"
+        return np.dtype(x.dtype).kind
+
+    def reshape(self, x, shape):
+        return jnp.reshape(x, shape)
+
+    def expand_dims(self, x, axis):
+        return jnp.expand_dims(x, axis)
+
+    def matmul(self, a, b):
+        return jnp.matmul(a, b)
+
+    def matmul_t(self, a, b):
+        return jnp.matmul(a, jnp.swapaxes(b, -1, -2))
+
+    def tanh(self, x):
+        return jnp.tanh(x)
+
+    def softmax(self, x):
+        if x.dtype in _HALF:
+            return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
+        return jax.nn.softmax(x, axis=-1)
+
+    def length_mask(self, x, lens):
+        return jnp.arange(x.shape[-1]) < lens[..., None]
+
+    def where(self, mask, x, fill):
+        return jnp.where(mask, x, jnp.asarray(fill, dtype=x.dtype))
+
+    def lowest(self, x):
+        return float(jnp.finfo(x.dtype).min)
+
+
+ops = JaxOps()
+
+
+def _tensors(**tensors: Any) -> None:
+    check_framework("jax", **tensors)
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> jax.Array:
+    """A jax array; float64 data needs jax_enable_x64 (an error, not a silent float32)."""
+    array = np.asarray(array)
+    wanted = np.dtype(dtype) if dtype not in (None, "bfloat16") else array.dtype
+    if wanted == np.float64 and dtype != "bfloat16" and not jax.config.jax_enable_x64:
+        raise ValueError(
+            "float64 needs jax_enable_x64, which is off: jax would silently compute in float32. "
+            "Call jax.config.update('jax_enable_x64', True) first, or pass float32 data."
+        )
+    return jnp.asarray(array, dtype=dtype)
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy copy (bfloat16 comes back as float32)."""
+    if tensor.dtype == jnp.bfloat16:
+        tensor = tensor.astype(jnp.float32)
+    return np.array(tensor)
+
+
+def masked_softmax(X: jax.Array, valid_lens: Optional[jax.Array] = None) -> jax.Array:
+    _tensors(X=X, valid_lens=valid_lens)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(queries, keys, values, valid_lens=None) -> jax.Array:
+    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
+
+
+class _Module(nnx.Module):
+    """Dropout and the attention weights of the nnx modules."""
+
+    def __init__(self, dropout: float, rngs: Optional[nnx.Rngs]) -> None:
+        self.dropout = nnx.Dropout(check_dropout(dropout), rngs=rngs)
+        self._attention_weights = nnx.Intermediate(None)
+
+    @property
+    def attention_weights(self) -> Optional[jax.Array]:
+        """The weights before dropout of the last call (eager or nnx.jit)."""
+        return self._attention_weights.get_value()
+
+    def _finish(self, result, return_weights: bool):
+        out, weights = result
+        self._attention_weights.set_value(weights)
+        return (out, weights) if return_weights else out
+
+
+class DotProductAttention(_Module):
+    """Scaled dot-product attention; dropout active in train mode (the nnx default)."""
+
+    def __init__(self, dropout: float = 0.0, *, rngs: Optional[nnx.Rngs] = None) -> None:
+        super().__init__(dropout, rngs if rngs is not None else nnx.Rngs(0))
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        result = core.dot_product_attention(ops, queries, keys, values, valid_lens, self.dropout)
+        return self._finish(result, return_weights)
+
+
+class AdditiveAttention(CanonicalWeightsMixin, _Module):
+    """Additive attention with ``nnx.Linear(use_bias=False)`` maps; kernels are (in, out)."""
+
+    def __init__(
+        self,
+        key_size: int,
+        query_size: int,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        *,
+        rngs: Optional[nnx.Rngs] = None,
+        param_dtype: Any = jnp.float32,
+    ) -> None:
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        super().__init__(dropout, rngs)
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
+        self.W_k = nnx.Linear(self.key_size, self.num_hiddens, **linear)
+        self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
+        self.w_v = nnx.Linear(self.num_hiddens, 1, **linear)
+
+    def _read_weights(self) -> CanonicalWeights:
+        return {
+            "W_q": to_numpy(self.W_q.kernel[...]).T.copy(),
+            "W_k": to_numpy(self.W_k.kernel[...]).T.copy(),
+            "w_v": to_numpy(self.w_v.kernel[...]).reshape(-1),
+        }
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        for key, value in weights.items():
+            kernel = getattr(self, key).kernel
+            layout = value.T if value.ndim == 2 else value[:, None]
+            kernel.set_value(jnp.asarray(layout, dtype=kernel[...].dtype))
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        dtype = queries.dtype
+        result = core.additive_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            project_q=lambda q: q @ self.W_q.kernel[...].astype(dtype),
+            project_k=lambda k: k @ self.W_k.kernel[...].astype(dtype),
+            w_v=self.w_v.kernel[...][:, 0].astype(dtype),
+            query_size=self.query_size,
+            key_size=self.key_size,
+            dropout=self.dropout,
+        )
+        return self._finish(result, return_weights)

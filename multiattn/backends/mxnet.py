@@ -1,0 +1,162 @@
+"""MXNet backend: Gluon blocks on MXNet's numpy interface (``mxnet.np``/``npx``).
+
+Loading this backend calls ``npx.set_np()`` (as d2l's mxnet code does): the
+numpy-compatible arrays are what the layers take and return.  Dropout is
+active only inside ``autograd.record()`` (MXNet's training mode).  MXNet's
+CPU matmul has no float16, so float16 products are computed in float32 and
+cast back; MXNet has no bfloat16 at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as onp
+from mxnet import np, npx
+from mxnet.gluon import nn
+
+from .. import core
+from .._registry import check_framework
+from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+
+npx.set_np()
+
+SUPPORTED_DTYPES = ("float32", "float64", "float16")
+
+
+def _matmul(a, b):
+    if a.dtype == onp.float16:  # no float16 dot on the CPU: compute in float32
+        return np.matmul(a.astype("float32"), b.astype("float32")).astype("float16")
+    return np.matmul(a, b)
+
+
+class MxnetOps:
+    name = "mxnet"
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def dtype_kind(self, x):
+        return onp.dtype(x.dtype).kind
+
+    def reshape(self, x, shape):
+        return x.reshape(shape)
+
+    def expand_dims(self, x, axis):
+        return np.expand_dims(x, axis)
+
+    def matmul(self, a, b):
+        return _matmul(a, b)
+
+    def matmul_t(self, a, b):
+        return _matmul(a, np.swapaxes(b, -1, -2))
+
+    def tanh(self, x):
+        return np.tanh(x)
+
+    def softmax(self, x):
+        if x.dtype == onp.float16:
+            return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
+        return npx.softmax(x, axis=-1)
+
+    def length_mask(self, x, lens):
+        # mxnet's arange is float32 by default: compare in float64 to keep integer lengths exact
+        positions = np.arange(x.shape[-1], dtype="float64")
+        return positions < np.expand_dims(lens.astype("float64"), -1)
+
+    def where(self, mask, x, fill):
+        return np.where(mask, x, np.array(fill, dtype=x.dtype))
+
+    def lowest(self, x):
+        return float(onp.finfo(x.dtype).min)
+
+
+ops = MxnetOps()
+
+
+def _tensors(**tensors: Any) -> None:
+    check_framework("mxnet", **tensors)
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
+    array = onp.array(array)
+    return np.array(array, dtype=dtype or array.dtype)
+
+
+def to_numpy(tensor: Any) -> onp.ndarray:
+    return onp.array(tensor.asnumpy())
+
+
+def masked_softmax(X, valid_lens=None):
+    _tensors(X=X, valid_lens=valid_lens)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(queries, keys, values, valid_lens=None):
+    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
+
+
+class DotProductAttention(nn.Block):
+    """Scaled dot-product attention; dropout only inside ``autograd.record()``."""
+
+    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights = None
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.dot_product_attention(
+            ops, queries, keys, values, valid_lens, self.dropout
+        )
+        return out
+
+
+class AdditiveAttention(CanonicalWeightsMixin, nn.Block):
+    """Additive attention with ``nn.Dense(use_bias=False, flatten=False)``; weights (out, in).
+
+    The parameters are initialised at construction (the sizes are known), so
+    there is no ``initialize()`` to call; calling it anyway only warns.
+    """
+
+    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        dense = dict(use_bias=False, flatten=False)
+        self.W_k = nn.Dense(self.num_hiddens, in_units=self.key_size, **dense)
+        self.W_q = nn.Dense(self.num_hiddens, in_units=self.query_size, **dense)
+        self.w_v = nn.Dense(1, in_units=self.num_hiddens, **dense)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights = None
+        self.initialize()
+
+    def _read_weights(self) -> CanonicalWeights:
+        return {
+            "W_q": to_numpy(self.W_q.weight.data()),
+            "W_k": to_numpy(self.W_k.weight.data()),
+            "w_v": to_numpy(self.w_v.weight.data()).reshape(-1),
+        }
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        for key, value in weights.items():
+            param = getattr(self, key).weight
+            param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        dtype = queries.dtype
+        out, self.attention_weights = core.additive_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            project_q=lambda q: ops.matmul_t(q, self.W_q.weight.data().astype(dtype)),
+            project_k=lambda k: ops.matmul_t(k, self.W_k.weight.data().astype(dtype)),
+            w_v=self.w_v.weight.data()[0].astype(dtype),
+            query_size=self.query_size,
+            key_size=self.key_size,
+            dropout=self.dropout,
+        )
+        return out

@@ -1,0 +1,180 @@
+"""PaddlePaddle backend: ``paddle.nn.Layer`` classes over the shared core.
+
+Two facts of paddle shape this adapter:
+* importing paddle after tensorflow/keras segfaults the process, so loading
+  this backend in such a process raises an ImportError that explains the way
+  around instead;
+* paddle's CPU build has no float16/bfloat16 kernels for matmul, tanh or
+  where, so half-precision tensors on the CPU get a clear error (they work on
+  a GPU).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Optional
+
+import numpy as np
+
+from .._registry import BackendImportError
+
+if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
+    raise BackendImportError(
+        "multiattn will not import paddle in this process: tensorflow/keras is already "
+        "imported, and importing paddle after tensorflow crashes the process with a "
+        "segmentation fault (a paddle bug). Either import paddle before tensorflow "
+        "(e.g. 'import paddle' at the top of your program), or use paddle in another process."
+    )
+
+import paddle  # noqa: E402
+from paddle import nn  # noqa: E402
+
+from .. import core  # noqa: E402
+from .._registry import check_framework  # noqa: E402
+from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
+
+SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
+
+_HALF = (paddle.float16, paddle.bfloat16)
+
+
+class PaddleOps:
+    name = "paddle"
+
+    def shape(self, x):
+        return tuple(None if d is None or d < 0 else d for d in x.shape)
+
+    def dtype_kind(self, x):
+        if x.dtype == paddle.bool:
+            return "b"
+        if paddle.is_complex(x):
+            return "c"
+        if paddle.is_floating_point(x):
+            return "f"
+        return "u" if x.dtype == paddle.uint8 else "i"
+
+    def reshape(self, x, shape):
+        return paddle.reshape(x, [-1 if d is None else d for d in shape])
+
+    def expand_dims(self, x, axis):
+        return paddle.unsqueeze(x, axis)
+
+    def matmul(self, a, b):
+        return paddle.matmul(a, b)
+
+    def matmul_t(self, a, b):
+        return paddle.matmul(a, b, transpose_y=True)
+
+    def tanh(self, x):
+        return paddle.tanh(x)
+
+    def softmax(self, x):
+        if x.dtype in _HALF:
+            return nn.functional.softmax(x, axis=-1, dtype="float32").astype(x.dtype)
+        return nn.functional.softmax(x, axis=-1)
+
+    def length_mask(self, x, lens):
+        # paddle does not promote int64 against int32: compare in int64 or float64
+        common = "float64" if paddle.is_floating_point(lens) else "int64"
+        positions = paddle.arange(x.shape[-1], dtype=common)
+        return positions < paddle.unsqueeze(lens.astype(common), -1)
+
+    def where(self, mask, x, fill):
+        return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))
+
+    def lowest(self, x):
+        return float(paddle.finfo(x.dtype).min)
+
+
+ops = PaddleOps()
+
+
+def _tensors(**tensors: Any) -> None:
+    check_framework("paddle", **tensors)
+    for arg, x in tensors.items():
+        if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
+            raise core.InputDtypeError(
+                f"{arg} is {x.dtype} on the CPU, but paddle's CPU build has no float16/bfloat16 "
+                "kernels for matmul and tanh; use float32 (or a GPU)"
+            )
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> paddle.Tensor:
+    tensor = paddle.to_tensor(np.array(array))
+    return tensor if dtype is None else tensor.astype(dtype)
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy copy (bfloat16 comes back as float32)."""
+    if tensor.dtype == paddle.bfloat16:
+        tensor = tensor.astype("float32")
+    return np.array(tensor.detach().numpy())
+
+
+def masked_softmax(X: paddle.Tensor, valid_lens: Optional[paddle.Tensor] = None) -> paddle.Tensor:
+    _tensors(X=X, valid_lens=valid_lens)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(queries, keys, values, valid_lens=None) -> paddle.Tensor:
+    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
+
+
+class DotProductAttention(nn.Layer):
+    """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[paddle.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.dot_product_attention(
+            ops, queries, keys, values, valid_lens, self.dropout
+        )
+        return out
+
+
+class AdditiveAttention(CanonicalWeightsMixin, nn.Layer):
+    """Additive attention with ``nn.Linear(bias_attr=False)``; paddle stores weights (in, out)."""
+
+    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias_attr=False)
+        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias_attr=False)
+        self.w_v = nn.Linear(self.num_hiddens, 1, bias_attr=False)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[paddle.Tensor] = None
+
+    def _read_weights(self) -> CanonicalWeights:
+        return {
+            "W_q": to_numpy(self.W_q.weight).T.copy(),
+            "W_k": to_numpy(self.W_k.weight).T.copy(),
+            "w_v": to_numpy(self.w_v.weight).reshape(-1),
+        }
+
+    def _write_weights(self, weights: CanonicalWeights) -> None:
+        for key, value in weights.items():
+            param = getattr(self, key).weight
+            layout = value.T if value.ndim == 2 else value[:, None]
+            param.set_value(paddle.to_tensor(np.ascontiguousarray(layout)).astype(param.dtype))
+
+    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
+        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, self.attention_weights = core.additive_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            project_q=self.W_q,
+            project_k=self.W_k,
+            w_v=self.w_v.weight[:, 0],
+            query_size=self.query_size,
+            key_size=self.key_size,
+            dropout=self.dropout,
+        )
+        return out

@@ -1,0 +1,92 @@
+"""Bad shapes and dtypes: a ValueError naming the argument, the expected and the actual value."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import multiattn
+
+
+def t(bk, *shape, dtype="float32"):
+    return bk.tensor(np.ones(shape), dtype)
+
+
+def raises(match):
+    return pytest.raises(ValueError, match=re.escape(match))
+
+
+def test_wrong_rank(bk):
+    with raises("queries must be 3-D (batch, queries, features), got shape (2, 20)"):
+        bk.call(bk.dot(), t(bk, 2, 20), t(bk, 2, 10, 20), t(bk, 2, 10, 4))
+    with raises("keys must be 3-D (batch, keys, features), got shape (1, 2, 10, 2)"):
+        bk.call(bk.additive(2, 20, 8), t(bk, 2, 1, 20), t(bk, 1, 2, 10, 2), t(bk, 2, 10, 4))
+
+
+def test_batch_mismatch(bk):
+    with raises("keys must have batch size 2 like queries, got shape (3, 10, 2)"):
+        bk.call(bk.dot(), t(bk, 2, 1, 2), t(bk, 3, 10, 2), t(bk, 2, 10, 4))
+    with raises("values must have batch size 2 like queries, got shape (1, 10, 4)"):
+        bk.call(bk.additive(2, 20, 8), t(bk, 2, 1, 20), t(bk, 2, 10, 2), t(bk, 1, 10, 4))
+
+
+def test_keys_and_values_differ_in_length(bk):
+    with raises("values must have 10 rows like keys (one value per key), got shape (2, 9, 4)"):
+        bk.call(bk.dot(), t(bk, 2, 1, 2), t(bk, 2, 10, 2), t(bk, 2, 9, 4))
+
+
+def test_dot_product_widths(bk):
+    with raises("keys must have width 3 like queries (dot-product attention), got shape (2, 10, 2)"):
+        multiattn.dot_product_attention(t(bk, 2, 1, 3), t(bk, 2, 10, 2), t(bk, 2, 10, 4))
+
+
+def test_additive_widths_must_match_layer(bk):
+    layer = bk.additive(2, 20, 8)
+    with raises("queries must have width query_size=20, got shape (2, 1, 19)"):
+        bk.call(layer, t(bk, 2, 1, 19), t(bk, 2, 10, 2), t(bk, 2, 10, 4))
+    with raises("keys must have width key_size=2, got shape (2, 10, 3)"):
+        bk.call(layer, t(bk, 2, 1, 20), t(bk, 2, 10, 3), t(bk, 2, 10, 4))
+
+
+@pytest.mark.parametrize(
+    "lens_shape, shown",
+    [((3,), "(3,)"), ((2, 4), "(2, 4)"), ((2, 3, 1), "(2, 3, 1)"), ((), "()")],
+)
+def test_valid_lens_of_the_wrong_shape(bk, lens_shape, shown):
+    lens = bk.tensor(np.ones(lens_shape, dtype="int64"))
+    msg = f"valid_lens must have shape (2,) (batch,) or (2, 3) (batch, queries), got {shown}"
+    with raises(msg):
+        multiattn.masked_softmax(t(bk, 2, 3, 5), lens)
+    with raises(msg):
+        bk.call(bk.dot(), t(bk, 2, 3, 4), t(bk, 2, 5, 4), t(bk, 2, 5, 1), lens)
+
+
+def test_valid_lens_must_be_numbers(bk):
+    with pytest.raises(ValueError, match="valid_lens must have an integer or float dtype, got .*bool"):
+        multiattn.masked_softmax(t(bk, 2, 3, 5), bk.tensor(np.array([True, False])))
+
+
+def test_masked_softmax_needs_3d_with_lengths(bk):
+    with raises("X must be 3-D (batch, queries, keys) when valid_lens is given, got shape (2, 5)"):
+        multiattn.masked_softmax(t(bk, 2, 5), bk.tensor(np.array([1, 2])))
+
+
+def test_scores_must_be_floats(bk):
+    with pytest.raises(TypeError, match="X must have a floating dtype"):
+        multiattn.masked_softmax(bk.tensor(np.ones((2, 3, 4), dtype="int32")))
+
+
+@pytest.mark.parametrize("dropout", [-0.1, 1.0, 1.5, "0.1", None])
+def test_dropout_must_be_a_probability(bk, dropout):
+    with raises(f"dropout must be a probability in [0, 1), got {dropout!r}"):
+        bk.module.DotProductAttention(dropout)
+    with raises(f"dropout must be a probability in [0, 1), got {dropout!r}"):
+        bk.module.AdditiveAttention(2, 3, 4, dropout)
+
+
+@pytest.mark.parametrize("arg, sizes", [("num_hiddens", (2, 3, 0)), ("key_size", (-1, 3, 4)), ("query_size", (2, 2.5, 4))])
+def test_sizes_must_be_positive_integers(bk, arg, sizes):
+    with raises(f"{arg} must be a positive integer, got"):
+        bk.module.AdditiveAttention(*sizes)
