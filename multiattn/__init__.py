@@ -27,6 +27,7 @@ __all__ = [
     "DotProductAttention",
     "ENV_VAR",
     "InputDtypeError",
+    "additive_attention",
     "backend",
     "dot_product_attention",
     "get_backend",
@@ -45,10 +46,38 @@ def masked_softmax(X: Any, valid_lens: Any = None) -> Any:
     return get_backend(name).masked_softmax(X, valid_lens)
 
 
-def dot_product_attention(queries: Any, keys: Any, values: Any, valid_lens: Any = None) -> Any:
-    """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments."""
+def dot_product_attention(
+    queries: Any, keys: Any, values: Any, valid_lens: Any = None, *, return_weights: bool = False
+) -> Any:
+    """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments.
+
+    With ``return_weights=True`` returns ``(output, attention_weights)``.
+    """
     name = framework_of_call(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return get_backend(name).dot_product_attention(queries, keys, values, valid_lens)
+    return get_backend(name).dot_product_attention(
+        queries, keys, values, valid_lens, return_weights=return_weights
+    )
+
+
+def additive_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    W_q: Any,
+    W_k: Any,
+    w_v: Any,
+    return_weights: bool = False,
+) -> Any:
+    """Additive attention with weight tensors in the canonical layout, on their framework:
+    W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,)."""
+    name = framework_of_call(
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v
+    )
+    return get_backend(name).additive_attention(
+        queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=return_weights
+    )
 
 
 def _selected_module() -> ModuleType:

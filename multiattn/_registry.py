@@ -29,6 +29,7 @@ BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
 ENV_VAR = "MULTIATTN_BACKEND"
 DEFAULT_BACKEND = "numpy"
 
+
 class BackendImportError(ImportError):
     """A backend cannot be loaded; the message says why and what to do."""
 
@@ -40,8 +41,7 @@ _framework_of_type: dict[type, str | None] = {}
 def _check_name(name: object, source: str = "backend name") -> str:
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(
-            f"unknown multiattn backend {name!r} ({source}); "
-            f"known backends: {', '.join(BACKENDS)}"
+            f"unknown multiattn backend {name!r} ({source}); known backends: {', '.join(BACKENDS)}"
         )
     return name
 

@@ -95,9 +95,7 @@ def check_attention_inputs(
     (batch, n_queries, q_width), (_, n_keys, k_width), _ = shapes
     for arg, shape in zip(names[1:], shapes[1:]):
         if not _same(shape[0], batch):
-            raise ValueError(
-                f"{arg} must have batch size {batch} like queries, got shape {_fmt(shape)}"
-            )
+            raise ValueError(f"{arg} must have batch size {batch} like queries, got shape {_fmt(shape)}")
     if not _same(shapes[2][1], n_keys):
         raise ValueError(
             f"values must have {n_keys} rows like keys (one value per key), got shape {_fmt(shapes[2])}"
@@ -164,8 +162,56 @@ def additive_attention(
     dropout: Dropout = None,
 ) -> tuple[Tensor, Tensor]:
     """Additive attention; project_q/project_k apply W_q/W_k (the layer's own linear maps)."""
-    check_attention_inputs(
-        ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
-    )
+    check_attention_inputs(ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size)
     scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
     return attend(ops, scores, values, valid_lens, dropout)
+
+
+def additive_attention_from_weights(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    W_q: Tensor,
+    W_k: Tensor,
+    w_v: Tensor,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """Additive attention with weight tensors in the canonical layout:
+    W_q (h, query_size), W_k (h, key_size), w_v (h,)."""
+    (h, query_size), (h_k, key_size), (h_v,) = _weight_shapes(ops, W_q, W_k, w_v)
+    if not (_same(h, h_k) and _same(h, h_v)):
+        raise ValueError(
+            "W_q, W_k and w_v must share num_hiddens (their first dimension), got shapes "
+            f"{_fmt(ops.shape(W_q))}, {_fmt(ops.shape(W_k))}, {_fmt(ops.shape(w_v))}"
+        )
+    return additive_attention(
+        ops,
+        queries,
+        keys,
+        values,
+        valid_lens,
+        project_q=lambda q: ops.matmul_t(q, W_q),
+        project_k=lambda k: ops.matmul_t(k, W_k),
+        w_v=w_v,
+        query_size=query_size,
+        key_size=key_size,
+        dropout=dropout,
+    )
+
+
+def _weight_shapes(ops: Ops, W_q: Tensor, W_k: Tensor, w_v: Tensor) -> list[Shape]:
+    shapes = []
+    for arg, x, rank, layout in (
+        ("W_q", W_q, 2, "(num_hiddens, query_size)"),
+        ("W_k", W_k, 2, "(num_hiddens, key_size)"),
+        ("w_v", w_v, 1, "(num_hiddens,)"),
+    ):
+        shape = ops.shape(x)
+        if len(shape) != rank:
+            raise ValueError(f"{arg} must have shape {layout}, got {_fmt(shape)}")
+        _check_float(ops, arg, x)
+        shapes.append(shape)
+    return shapes

@@ -18,11 +18,7 @@ CanonicalWeights = Dict[str, np.ndarray]
 
 
 def check_dropout(dropout: Any) -> float:
-    if (
-        isinstance(dropout, bool)
-        or not isinstance(dropout, numbers.Real)
-        or not 0.0 <= float(dropout) < 1.0
-    ):
+    if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:
         raise ValueError(f"dropout must be a probability in [0, 1), got {dropout!r}")
     return float(dropout)
 
@@ -64,9 +60,7 @@ def canonical_weights(
     for key, expected in weight_shapes(key_size, query_size, num_hiddens).items():
         value = np.array(weights[key])  # a copy: the layer never aliases the caller's array
         if value.shape != expected:
-            raise ValueError(
-                f"weights[{key!r}] must have shape {expected}, got {value.shape}"
-            )
+            raise ValueError(f"weights[{key!r}] must have shape {expected}, got {value.shape}")
         if value.dtype.kind not in "iuf":
             raise ValueError(f"weights[{key!r}] must be real numbers, got dtype {value.dtype}")
         out[key] = value
@@ -96,6 +90,4 @@ class CanonicalWeightsMixin:
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Load weights given in the canonical layout (see get_weights)."""
-        self._write_weights(
-            canonical_weights(weights, self.key_size, self.query_size, self.num_hiddens)
-        )
+        self._write_weights(canonical_weights(weights, self.key_size, self.query_size, self.num_hiddens))

@@ -134,7 +134,9 @@ class JaxHarness(Harness):
 
     def additive(self, key_size, query_size, num_hiddens, dropout=0.0, dtype="float32", weights=None):
         param_dtype = getattr(importlib.import_module("jax.numpy"), dtype)
-        layer = self.module.AdditiveAttention(key_size, query_size, num_hiddens, dropout, param_dtype=param_dtype)
+        layer = self.module.AdditiveAttention(
+            key_size, query_size, num_hiddens, dropout, param_dtype=param_dtype
+        )
         if weights is not None:
             layer.set_weights(weights)
         return self.eval(layer)

@@ -58,17 +58,22 @@ def test_unknown_backend_fails_at_first_use_not_import(monkeypatch):
     result = run_python("import multiattn", MULTIATTN_BACKEND="caffe")
     assert result.returncode == 0, result.stderr
     monkeypatch.setenv("MULTIATTN_BACKEND", "caffe")
-    message = "unknown multiattn backend 'caffe' (from the MULTIATTN_BACKEND environment variable); known backends: " + ", ".join(ALL)
+    message = (
+        "unknown multiattn backend 'caffe' (from the MULTIATTN_BACKEND environment variable); "
+        "known backends: " + ", ".join(ALL)
+    )
     with pytest.raises(ValueError) as info:
         multiattn.backend()
     assert str(info.value) == message
     with pytest.raises(ValueError, match="known backends: numpy, torch"):
-        multiattn.AdditiveAttention
+        _ = multiattn.AdditiveAttention
     with pytest.raises(ValueError, match="unknown multiattn backend 'caffe'"):
         multiattn.get_backend("caffe")
 
 
-@pytest.mark.parametrize("name, extra", [("torch", "torch"), ("jax", "jax"), ("mlx", "mlx"), ("paddle", "paddle")])
+@pytest.mark.parametrize(
+    "name, extra", [("torch", "torch"), ("jax", "jax"), ("mlx", "mlx"), ("paddle", "paddle")]
+)
 def test_uninstalled_backend_names_the_extra(name, extra):
     # sys.modules[x] = None makes "import x" fail as if x were not installed
     framework = _registry.BACKENDS[name][0].split(".")[0]

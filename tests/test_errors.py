@@ -86,7 +86,9 @@ def test_dropout_must_be_a_probability(bk, dropout):
         bk.module.AdditiveAttention(2, 3, 4, dropout)
 
 
-@pytest.mark.parametrize("arg, sizes", [("num_hiddens", (2, 3, 0)), ("key_size", (-1, 3, 4)), ("query_size", (2, 2.5, 4))])
+@pytest.mark.parametrize(
+    "arg, sizes", [("num_hiddens", (2, 3, 0)), ("key_size", (-1, 3, 4)), ("query_size", (2, 2.5, 4))]
+)
 def test_sizes_must_be_positive_integers(bk, arg, sizes):
     with raises(f"{arg} must be a positive integer, got"):
         bk.module.AdditiveAttention(*sizes)

@@ -43,7 +43,9 @@ def test_masked_positions_exactly_zero_and_empty_rows_zero_not_nan(bk, dtype):
         pytest.xfail(f"{bk.name} has no {dtype}")
     # large scores: a -1e6 fill would overflow float16; ours must not
     X = bk.tensor(X_NP * 1000, dtype)
-    got = np.asarray(bk.numpy(multiattn.masked_softmax(X, bk.tensor(np.array([[0, 2, 5], [1, 0, 3]])))), float)
+    got = np.asarray(
+        bk.numpy(multiattn.masked_softmax(X, bk.tensor(np.array([[0, 2, 5], [1, 0, 3]])))), float
+    )
     assert not np.isnan(got).any()
     assert np.all(got[0, 0] == 0) and np.all(got[1, 1] == 0)
     assert np.all(got[0, 1, 2:] == 0) and np.all(got[1, 0, 1:] == 0) and np.all(got[1, 2, 3:] == 0)

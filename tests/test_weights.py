@@ -64,14 +64,14 @@ def test_set_weights_does_not_alias_the_callers_arrays(bk):
     np.testing.assert_array_equal(layer.get_weights()["W_k"], WEIGHTS["W_k"])
 
 
-@pytest.mark.parametrize(
-    "key, shape", [("W_q", (8, 19)), ("W_k", (2, 8)), ("w_v", (8, 1)), ("w_v", (9,))]
-)
+@pytest.mark.parametrize("key, shape", [("W_q", (8, 19)), ("W_k", (2, 8)), ("w_v", (8, 1)), ("w_v", (9,))])
 def test_set_weights_shape_mismatch_names_key_and_shapes(bk, key, shape):
     layer = bk.additive(2, 20, 8)
     weights = dict(WEIGHTS, **{key: np.zeros(shape)})
     expected = {"W_q": (8, 20), "W_k": (8, 2), "w_v": (8,)}[key]
-    with pytest.raises(ValueError, match=re.escape(f"weights[{key!r}] must have shape {expected}, got {shape}")):
+    with pytest.raises(
+        ValueError, match=re.escape(f"weights[{key!r}] must have shape {expected}, got {shape}")
+    ):
         layer.set_weights(weights)
 
 

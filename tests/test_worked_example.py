@@ -45,10 +45,18 @@ def test_masked_softmax_examples_of_the_mlx_seed(bk):
     import multiattn
 
     rng = np.random.default_rng(0)
-    got = bk.numpy(multiattn.masked_softmax(bk.tensor(rng.uniform(size=(2, 2, 4)), "float32"), bk.tensor(np.array([2, 3]))))
+    got = bk.numpy(
+        multiattn.masked_softmax(
+            bk.tensor(rng.uniform(size=(2, 2, 4)), "float32"), bk.tensor(np.array([2, 3]))
+        )
+    )
     assert got.shape == (2, 2, 4)
     assert (got[0, :, 2:] == 0).all() and (got[1, :, 3:] == 0).all()
     np.testing.assert_allclose(got.sum(-1), np.ones((2, 2)), rtol=1e-6)
-    got = bk.numpy(multiattn.masked_softmax(bk.tensor(rng.uniform(size=(2, 2, 4)), "float32"), bk.tensor(np.array([[1, 3], [2, 4]]))))
+    got = bk.numpy(
+        multiattn.masked_softmax(
+            bk.tensor(rng.uniform(size=(2, 2, 4)), "float32"), bk.tensor(np.array([[1, 3], [2, 4]]))
+        )
+    )
     np.testing.assert_array_equal(got[0, 0], [1, 0, 0, 0])
     assert [np.count_nonzero(r) for r in got.reshape(4, 4)] == [1, 3, 2, 4]

@@ -20,6 +20,7 @@ from flax import nnx
 
 from .. import core
 from .._registry import check_framework
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -75,6 +76,15 @@ def _tensors(**tensors: Any) -> None:
     check_framework("jax", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args)."""
+    out, pullback = jax.vjp(fn, *args)
+    return out, list(pullback(cotangent))
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> jax.Array:
     """A jax array; float64 data needs jax_enable_x64 (an error, not a silent float32)."""
     array = np.asarray(array)
@@ -92,16 +102,6 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == jnp.bfloat16:
         tensor = tensor.astype(jnp.float32)
     return np.array(tensor)
-
-
-def masked_softmax(X: jax.Array, valid_lens: Optional[jax.Array] = None) -> jax.Array:
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(queries, keys, values, valid_lens=None) -> jax.Array:
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class _Module(nnx.Module):

@@ -16,6 +16,7 @@ from mlx import nn
 
 from .. import core
 from .._registry import check_framework
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -72,6 +73,15 @@ def _tensors(**tensors: Any) -> None:
     check_framework("mlx", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args)."""
+    outs, grads = mx.vjp(lambda *xs: fn(*xs), list(args), [cotangent])
+    return outs[0], list(grads)
+
+
 def _mx_dtype(name: str) -> Any:
     return mx.bool_ if name == "bool" else getattr(mx, name)
 
@@ -88,16 +98,6 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == mx.bfloat16:
         tensor = tensor.astype(mx.float32)
     return np.array(tensor)
-
-
-def masked_softmax(X: mx.array, valid_lens: Optional[mx.array] = None) -> mx.array:
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(queries, keys, values, valid_lens=None) -> mx.array:
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class DotProductAttention(nn.Module):

@@ -12,11 +12,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as onp
-from mxnet import np, npx
+from mxnet import autograd, np, npx
 from mxnet.gluon import nn
 
 from .. import core
 from .._registry import check_framework
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 npx.set_np()
@@ -78,6 +79,22 @@ def _tensors(**tensors: Any) -> None:
     check_framework("mxnet", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args).
+
+    Recorded with train_mode=False, so no layer inside fn applies dropout."""
+    args = [a.copy() for a in args]
+    for a in args:
+        a.attach_grad()
+    with autograd.record(train_mode=False):
+        out = fn(*args)
+    out.backward(cotangent)
+    return out, [a.grad for a in args]
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
     array = onp.array(array)
     return np.array(array, dtype=dtype or array.dtype)
@@ -85,16 +102,6 @@ def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
 
 def to_numpy(tensor: Any) -> onp.ndarray:
     return onp.array(tensor.asnumpy())
-
-
-def masked_softmax(X, valid_lens=None):
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(queries, keys, values, valid_lens=None):
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class DotProductAttention(nn.Block):
@@ -120,7 +127,9 @@ class AdditiveAttention(CanonicalWeightsMixin, nn.Block):
     there is no ``initialize()`` to call; calling it anyway only warns.
     """
 
-    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
         dense = dict(use_bias=False, flatten=False)

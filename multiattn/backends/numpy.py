@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import core
 from .._registry import check_framework
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")  # numpy has no bfloat16
@@ -66,6 +67,13 @@ def _arrays(**tensors: Any) -> None:
     check_framework("numpy", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _arrays)
+
+
+# numpy has no autodiff: the check command and the gradient tests say so instead of testing it.
+vjp = None
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
     """A numpy copy of ``array`` (in ``dtype`` if given)."""
     return np.array(array, dtype=dtype)
@@ -73,18 +81,6 @@ def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
 
 def to_numpy(tensor: Any) -> np.ndarray:
     return np.asarray(tensor)
-
-
-def masked_softmax(X: np.ndarray, valid_lens: Optional[np.ndarray] = None) -> np.ndarray:
-    _arrays(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(
-    queries: np.ndarray, keys: np.ndarray, values: np.ndarray, valid_lens: Optional[np.ndarray] = None
-) -> np.ndarray:
-    _arrays(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class _Layer:

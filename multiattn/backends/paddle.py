@@ -31,6 +31,7 @@ from paddle import nn  # noqa: E402
 
 from .. import core  # noqa: E402
 from .._registry import check_framework  # noqa: E402
+from ..functional import bind  # noqa: E402
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
@@ -99,6 +100,19 @@ def _tensors(**tensors: Any) -> None:
             )
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args)."""
+    args = [a.detach().clone() for a in args]
+    for a in args:
+        a.stop_gradient = False
+    out = fn(*args)
+    grads = paddle.grad([out], args, grad_outputs=[cotangent], allow_unused=True)
+    return out.detach(), [paddle.zeros_like(a) if g is None else g for a, g in zip(args, grads)]
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> paddle.Tensor:
     tensor = paddle.to_tensor(np.array(array))
     return tensor if dtype is None else tensor.astype(dtype)
@@ -109,16 +123,6 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == paddle.bfloat16:
         tensor = tensor.astype("float32")
     return np.array(tensor.detach().numpy())
-
-
-def masked_softmax(X: paddle.Tensor, valid_lens: Optional[paddle.Tensor] = None) -> paddle.Tensor:
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(queries, keys, values, valid_lens=None) -> paddle.Tensor:
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class DotProductAttention(nn.Layer):

@@ -29,7 +29,11 @@ try:
 except ImportError:  # pragma: no cover - TensorFlow < 2.16 ships Keras 2 as tf.keras
     keras = tf.keras
 
-if hasattr(keras, "backend") and hasattr(keras.backend, "backend") and keras.backend.backend() != "tensorflow":
+if (
+    hasattr(keras, "backend")
+    and hasattr(keras.backend, "backend")
+    and keras.backend.backend() != "tensorflow"
+):
     raise BackendImportError(
         f"multiattn's tensorflow backend needs Keras on its TensorFlow backend, but Keras was "
         f"already loaded with the {keras.backend.backend()!r} backend (KERAS_BACKEND); "
@@ -37,6 +41,7 @@ if hasattr(keras, "backend") and hasattr(keras.backend, "backend") and keras.bac
     )
 
 from .. import core  # noqa: E402
+from ..functional import bind  # noqa: E402
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -102,6 +107,18 @@ def _tensors(**tensors: Any) -> None:
     check_framework("tensorflow", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args)."""
+    with tf.GradientTape() as tape:
+        tape.watch(args)
+        out = fn(*args)
+    grads = tape.gradient(out, args, output_gradients=cotangent)
+    return out, [tf.zeros_like(a) if g is None else g for a, g in zip(args, grads)]
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> tf.Tensor:
     tensor = tf.constant(np.array(array))
     return tensor if dtype is None else tf.cast(tensor, dtype)
@@ -113,16 +130,6 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == tf.bfloat16:
         tensor = tf.cast(tensor, tf.float32)
     return np.array(tensor.numpy())
-
-
-def masked_softmax(X: tf.Tensor, valid_lens: Optional[tf.Tensor] = None) -> tf.Tensor:
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(queries, keys, values, valid_lens=None) -> tf.Tensor:
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class _Layer(keras.layers.Layer):
@@ -164,7 +171,9 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     canonical layout and transpose.
     """
 
-    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
+    ) -> None:
         super().__init__(dropout, **kwargs)
         self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
         # The sizes are known now: create the weights at once so get/set_weights work before a call.

@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import core
 from .._registry import check_framework
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -75,6 +76,17 @@ def _tensors(**tensors: Any) -> None:
     check_framework("torch", **tensors)
 
 
+masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+
+
+def vjp(fn, args, cotangent):
+    """(fn(*args), gradients of sum(fn(*args) * cotangent) with respect to args)."""
+    args = [a.detach().clone().requires_grad_(True) for a in args]
+    out = fn(*args)
+    grads = torch.autograd.grad(out, args, grad_outputs=cotangent, allow_unused=True)
+    return out.detach(), [torch.zeros_like(a) if g is None else g for a, g in zip(args, grads)]
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> torch.Tensor:
     """A new torch tensor with the values of ``array`` (cast to ``dtype``, e.g. "bfloat16")."""
     tensor = torch.from_numpy(np.array(array))
@@ -87,21 +99,6 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
     return tensor.numpy().copy()
-
-
-def masked_softmax(X: torch.Tensor, valid_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
-    _tensors(X=X, valid_lens=valid_lens)
-    return core.masked_softmax(ops, X, valid_lens)
-
-
-def dot_product_attention(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    valid_lens: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return core.dot_product_attention(ops, queries, keys, values, valid_lens)[0]
 
 
 class DotProductAttention(nn.Module):

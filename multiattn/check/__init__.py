@@ -1,0 +1,116 @@
+"""``multiattn check``: every backend against a float64 reference and against each other."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+
+from .._registry import BACKENDS
+from . import worker
+from .cases import make_cases
+from .table import Row, build_rows, render, rows_as_json
+
+__all__ = ["installed_backends", "run_check", "load_json", "save_json", "build_rows", "render", "Row"]
+
+
+def installed_backends() -> List[str]:
+    """Backends whose framework is installed, found without importing any of them."""
+    return [
+        name
+        for name, (framework, _, _) in BACKENDS.items()
+        if importlib.util.find_spec(framework.split(".")[0]) is not None
+    ]
+
+
+def _run_isolated(name: str, seed: int, timeout: float) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, f"{name}.npz")
+        cmd = [sys.executable, "-m", "multiattn.check.worker", name, str(seed), out]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"version": "?", "status": f"failed: no result within {timeout:.0f} s", "cases": {}}
+        if proc.returncode != 0 or not os.path.exists(out):
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
+            if proc.returncode == -11:
+                how += " (segmentation fault)"
+            return {"version": "?", "status": f"failed: worker {how}: {tail}", "cases": {}}
+        return worker.load(out)
+
+
+def run_check(
+    backends: List[str],
+    seed: int = 0,
+    in_process: bool = False,
+    progress: Optional[Callable[[str], None]] = None,
+    timeout: float = 600.0,
+) -> Dict[str, dict]:
+    """Results of every backend: each in its own subprocess unless in_process."""
+    results = {}
+    for i, name in enumerate(backends, 1):
+        if progress:
+            progress(f"[{i}/{len(backends)}] {name}: importing and running {len(make_cases(seed))} cases ...")
+        if in_process:
+            try:
+                results[name] = worker.run_backend(name, seed)
+            except Exception as err:
+                results[name] = {
+                    "version": "?",
+                    "status": f"failed: {type(err).__name__}: {err}",
+                    "cases": {},
+                }
+        else:
+            results[name] = _run_isolated(name, seed, timeout)
+        if progress:
+            progress(f"[{i}/{len(backends)}] {name}: {results[name]['status']}")
+    return results
+
+
+def _to_lists(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _to_lists(v) for k, v in value.items()}
+    return value
+
+
+def _to_arrays(case: dict) -> dict:
+    out = dict(case)
+    for key in ("out", "weights"):
+        if key in out:
+            out[key] = np.asarray(out[key], dtype=np.float64)
+    if "grads" in out:
+        out["grads"] = {k: np.asarray(v, dtype=np.float64) for k, v in out["grads"].items()}
+    return out
+
+
+def save_json(path: str, results: Dict[str, dict], rows: List[Row], seed: int) -> None:
+    from .. import __version__
+
+    doc = {"multiattn": __version__, "seed": seed, "backends": _to_lists(results), "rows": rows_as_json(rows)}
+    with open(path, "w") as f:
+        json.dump(doc, f)
+
+
+def load_json(paths: List[str]) -> tuple:
+    """(merged results, seed) of several `check --json` files; their seeds must agree."""
+    merged: Dict[str, dict] = {}
+    seed = None
+    for path in paths:
+        with open(path) as f:
+            doc = json.load(f)
+        if seed is not None and doc["seed"] != seed:
+            raise ValueError(f"{path} was made with seed {doc['seed']}, the others with seed {seed}")
+        seed = doc["seed"]
+        for name, res in doc["backends"].items():
+            res["cases"] = {c: _to_arrays(r) for c, r in res["cases"].items()}
+            merged[name] = res
+    return merged, seed

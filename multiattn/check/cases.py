@@ -1,0 +1,123 @@
+"""The fixed, seeded cases of ``multiattn check`` and their tolerances.
+
+Inputs are drawn in float64 and rounded to each case's dtype here, so every
+backend receives exactly representable values and the float64 reference is
+computed from the very numbers the backend sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import numpy as np
+
+from .. import reference
+
+FUNCTIONS = ("masked_softmax", "dot_product", "additive")
+MASKS = ("none", "1d", "2d")
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+GRAD_DTYPES = ("float32", "float64")  # gradients are checked where they are meaningful
+BATCH, QUERIES, KEYS, WIDTH, KEY_WIDTH, VALUE_WIDTH, HIDDENS = 2, 3, 5, 4, 3, 3, 6
+# Lengths with a fully masked row, a negative and an over-long length.
+LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
+
+# Max abs error allowed, relative to max(1, largest reference magnitude).
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}
+# MLX's exp/softmax are float32-accurate even for float64 (documented).
+BACKEND_TOLERANCE = {("mlx", "float64"): 1e-6}
+
+
+def tolerance(backend: str, dtype: str, overrides: Optional[Dict[str, float]] = None) -> float:
+    if overrides and dtype in overrides:
+        return overrides[dtype]
+    return BACKEND_TOLERANCE.get((backend, dtype), TOLERANCE[dtype])
+
+
+def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
+    """The float64 values of ``array`` rounded to ``dtype`` (round to nearest even)."""
+    if dtype == "bfloat16":
+        bits = np.asarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.asarray(array).astype(dtype).astype(np.float64)
+
+
+@dataclass
+class Case:
+    function: str
+    mask: str
+    dtype: str
+    inputs: Dict[str, np.ndarray]  # name -> float64 values representable in dtype
+    valid_lens: Optional[np.ndarray]
+    cotangent: np.ndarray
+    expected: Dict = field(default_factory=dict)  # the reference: out, weights, grads
+
+    @property
+    def name(self) -> str:
+        return f"{self.function}/{self.mask}/{self.dtype}"
+
+    @property
+    def wants_grads(self) -> bool:
+        return self.dtype in GRAD_DTYPES
+
+
+def make_cases(seed: int = 0) -> list:
+    """Every function x mask x dtype, with the reference computed in float64."""
+    rng = np.random.default_rng(seed)
+    raw = {
+        "X": rng.normal(size=(BATCH, QUERIES, KEYS)) * 2,
+        "queries": rng.normal(size=(BATCH, QUERIES, WIDTH)),
+        "keys": rng.normal(size=(BATCH, KEYS, WIDTH)),
+        "additive_keys": rng.normal(size=(BATCH, KEYS, KEY_WIDTH)),
+        "values": rng.normal(size=(BATCH, KEYS, VALUE_WIDTH)),
+        "W_q": rng.normal(size=(HIDDENS, WIDTH)) * 0.5,
+        "W_k": rng.normal(size=(HIDDENS, KEY_WIDTH)) * 0.5,
+        "w_v": rng.normal(size=(HIDDENS,)),
+    }
+    cotangents = {
+        "masked_softmax": rng.normal(size=(BATCH, QUERIES, KEYS)),
+        "dot_product": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
+        "additive": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
+    }
+    names = {
+        "masked_softmax": {"X": "X"},
+        "dot_product": {"queries": "queries", "keys": "keys", "values": "values"},
+        "additive": {
+            "queries": "queries",
+            "keys": "additive_keys",
+            "values": "values",
+            "W_q": "W_q",
+            "W_k": "W_k",
+            "w_v": "w_v",
+        },
+    }
+    cases = []
+    for function in FUNCTIONS:
+        for dtype in DTYPES:
+            for mask in MASKS:
+                inputs = {arg: round_to(raw[src], dtype) for arg, src in names[function].items()}
+                case = Case(function, mask, dtype, inputs, LENGTHS[mask], cotangents[function])
+                case.expected = expected(case)
+                cases.append(case)
+    return cases
+
+
+def expected(case: Case) -> dict:
+    args = case.inputs
+    if case.function == "masked_softmax":
+        return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent)
+    if case.function == "dot_product":
+        return reference.dot_product_attention(
+            args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent
+        )
+    return reference.additive_attention(
+        args["queries"],
+        args["keys"],
+        args["values"],
+        case.valid_lens,
+        args["W_q"],
+        args["W_k"],
+        args["w_v"],
+        case.cotangent,
+    )

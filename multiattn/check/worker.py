@@ -1,0 +1,123 @@
+"""Run the check cases on one backend; usually in a subprocess of its own.
+
+``python -m multiattn.check.worker BACKEND SEED OUT.npz`` writes every result
+array to OUT.npz plus a JSON ``meta`` entry (framework version, per-case
+status), so that a crash of one framework never takes the command down.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import traceback
+from typing import Any, Dict
+
+import numpy as np
+
+from .._registry import BACKENDS, get_backend
+from .cases import Case, make_cases
+
+
+def framework_version(name: str) -> str:
+    module = sys.modules.get(BACKENDS[name][0])
+    return str(getattr(module, "__version__", "?"))
+
+
+def prepare(name: str) -> None:
+    """Framework settings the cases need (jax computes float64 only with x64 on)."""
+    if name == "jax":
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+
+
+def _run_case(module: Any, case: Case) -> Dict[str, Any]:
+    tensors = {arg: module.from_numpy(value, case.dtype) for arg, value in case.inputs.items()}
+    lens = None if case.valid_lens is None else module.from_numpy(case.valid_lens)
+
+    if case.function == "masked_softmax":
+        order = ["X"]
+
+        def run(X):
+            weights = module.masked_softmax(X, lens)
+            return weights, weights
+
+    elif case.function == "dot_product":
+        order = ["queries", "keys", "values"]
+
+        def run(q, k, v):
+            return module.dot_product_attention(q, k, v, lens, return_weights=True)
+
+    else:
+        order = ["queries", "keys", "values", "W_q", "W_k", "w_v"]
+
+        def run(q, k, v, W_q, W_k, w_v):
+            return module.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=True)
+
+    args = [tensors[a] for a in order]
+    out, weights = run(*args)
+    result: Dict[str, Any] = {"out": module.to_numpy(out), "weights": module.to_numpy(weights)}
+    if case.wants_grads and module.vjp is not None:
+        cotangent = module.from_numpy(case.cotangent, case.dtype)
+        _, grads = module.vjp(lambda *xs: run(*xs)[0], args, cotangent)
+        result["grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}
+    return result
+
+
+def run_backend(name: str, seed: int) -> Dict[str, Any]:
+    """{"version", "status", "cases": {case name: {"status", "out", "weights", "grads"}}}."""
+    prepare(name)
+    module = get_backend(name)
+    results: Dict[str, Any] = {"version": framework_version(name), "status": "ok", "cases": {}}
+    for case in make_cases(seed):
+        if case.dtype not in module.SUPPORTED_DTYPES:
+            results["cases"][case.name] = {"status": f"unsupported: {name} has no {case.dtype} here"}
+            continue
+        try:
+            results["cases"][case.name] = {"status": "ok", **_run_case(module, case)}
+        except Exception as err:  # one failing case is a failed row, not a dead command
+            results["cases"][case.name] = {"status": f"error: {type(err).__name__}: {err}"}
+    return results
+
+
+def save(results: Dict[str, Any], path: str) -> None:
+    arrays, meta = {}, {"version": results["version"], "status": results["status"], "cases": {}}
+    for case, result in results["cases"].items():
+        meta["cases"][case] = {"status": result["status"], "grads": sorted(result.get("grads", {}))}
+        for key in ("out", "weights"):
+            if key in result:
+                arrays[f"{case}|{key}"] = result[key]
+        for arg, grad in result.get("grads", {}).items():
+            arrays[f"{case}|grad|{arg}"] = grad
+    np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
+
+
+def load(path: str) -> Dict[str, Any]:
+    with np.load(path) as data:
+        meta = json.loads(str(data["meta"]))
+        results = {"version": meta["version"], "status": meta["status"], "cases": {}}
+        for case, info in meta["cases"].items():
+            result: Dict[str, Any] = {"status": info["status"]}
+            for key in ("out", "weights"):
+                if f"{case}|{key}" in data:
+                    result[key] = data[f"{case}|{key}"]
+            if info["grads"]:
+                result["grads"] = {arg: data[f"{case}|grad|{arg}"] for arg in info["grads"]}
+            results["cases"][case] = result
+    return results
+
+
+def main(argv: list) -> int:
+    name, seed, out = argv[0], int(argv[1]), argv[2]
+    try:
+        results = run_backend(name, seed)
+    except BaseException as err:  # report why the backend could not run at all
+        message = f"{type(err).__name__}: {err}"
+        print(traceback.format_exc(), file=sys.stderr)
+        results = {"version": "?", "status": f"failed: {message}", "cases": {}}
+    save(results, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,134 @@
+"""The ``multiattn`` command: check, report, demo."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Dict, List, Optional
+
+from . import __version__
+from ._registry import BACKENDS
+
+
+def _backend_list(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
+    return names
+
+
+def _tolerance(text: str) -> tuple:
+    from .check.cases import DTYPES
+
+    dtype, _, value = text.partition("=")
+    if dtype not in DTYPES or not value:
+        raise argparse.ArgumentTypeError(
+            f"expected DTYPE=VALUE with DTYPE one of {', '.join(DTYPES)}, got {text!r}"
+        )
+    try:
+        return dtype, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"tolerance {value!r} is not a number") from None
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _finish(results: Dict[str, dict], seed: int, args: argparse.Namespace) -> int:
+    from .check import build_rows, render, save_json
+    from .check.cases import make_cases
+
+    overrides = dict(args.tolerance or [])
+    rows = build_rows(results, make_cases(seed), overrides)
+    print(render(rows))
+    if getattr(args, "json", None):
+        save_json(args.json, results, rows, seed)
+        _progress(f"results written to {args.json}")
+    return 1 if any(r.verdict == "FAIL" for r in rows) else 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .check import installed_backends, run_check
+
+    backends = args.backends or installed_backends()
+    _progress(f"multiattn {__version__}: checking {', '.join(backends)} (seed {args.seed})")
+    results = run_check(backends, seed=args.seed, in_process=args.in_process, progress=_progress)
+    return _finish(results, args.seed, args)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .check import load_json
+
+    try:
+        results, seed = load_json(args.files)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"multiattn report: {err}", file=sys.stderr)
+        return 2
+    return _finish(results, seed, args)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.backend, args.out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="multiattn",
+        description="d2l 11.3 attention scoring functions on every framework, and proof that they agree.",
+    )
+    parser.add_argument("--version", action="version", version=f"multiattn {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tolerance_help = "override a dtype's tolerance, e.g. float32=1e-4 (repeatable)"
+    check = sub.add_parser(
+        "check",
+        help="run every installed backend on fixed cases; one agreement table",
+        description="Run fixed, seeded cases (masked softmax, additive and dot-product attention, "
+        "every dtype the backend supports, values and gradients) on each backend in its own "
+        "subprocess; print one table of errors against a float64 numpy reference and against "
+        "every other backend. Exit status 1 if any row is outside its tolerance.",
+    )
+    check.add_argument(
+        "--backends", type=_backend_list, help="comma-separated, e.g. torch,jax (default: installed)"
+    )
+    check.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights (default 0)")
+    check.add_argument("--tolerance", type=_tolerance, action="append", help=tolerance_help)
+    check.add_argument("--json", metavar="PATH", help="also write the results (arrays included) as JSON")
+    check.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run backends in this process (no crash isolation; for debugging)",
+    )
+    check.set_defaults(func=cmd_check)
+
+    report = sub.add_parser(
+        "report",
+        help="merge `check --json` files from several environments into one table",
+        description="Merge the JSON results of `multiattn check --json` runs made in different "
+        "environments (e.g. mxnet's, which needs numpy<1.24) into one table, comparing every "
+        "backend with every other. Exit status 1 if any row is outside its tolerance.",
+    )
+    report.add_argument("files", nargs="+", help="JSON files written by `multiattn check --json`")
+    report.add_argument("--tolerance", type=_tolerance, action="append", help=tolerance_help)
+    report.add_argument("--json", metavar="PATH", help="write the merged results as JSON")
+    report.set_defaults(func=cmd_report)
+
+    demo = sub.add_parser(
+        "demo",
+        help="the worked example of d2l 11.3 on one backend, with a heatmap PNG",
+        description="Run the books' example (all keys equal, valid_lens [2, 6]) through both "
+        "scoring functions, print the outputs and save the attention weights as a heatmap.",
+    )
+    demo.add_argument("--backend", default=None, help="backend name (default: MULTIATTN_BACKEND or numpy)")
+    demo.add_argument("--out", default="weights.png", help="PNG path for the heatmap (default weights.png)")
+    demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

@@ -1,0 +1,54 @@
+"""The functional API of a backend, bound once from its ops and its tensor check.
+
+Every adapter gets the same three functions; only the ops object and the
+check that arguments are the adapter's own tensors differ.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Tuple
+
+from . import core
+from .protocol import Ops, Tensor
+
+
+def bind(ops: Ops, check: Callable[..., None]) -> Tuple[Callable[..., Any], ...]:
+    """(masked_softmax, dot_product_attention, additive_attention) for one backend."""
+
+    def masked_softmax(X: Tensor, valid_lens: Tensor = None) -> Tensor:
+        """Softmax over X's last axis; positions >= valid_lens are exactly 0."""
+        check(X=X, valid_lens=valid_lens)
+        return core.masked_softmax(ops, X, valid_lens)
+
+    def dot_product_attention(
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor = None,
+        *,
+        return_weights: bool = False,
+    ) -> Any:
+        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights)."""
+        check(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        out, weights = core.dot_product_attention(ops, queries, keys, values, valid_lens)
+        return (out, weights) if return_weights else out
+
+    def additive_attention(
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid_lens: Tensor = None,
+        *,
+        W_q: Tensor,
+        W_k: Tensor,
+        w_v: Tensor,
+        return_weights: bool = False,
+    ) -> Any:
+        """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
+        check(queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v)
+        out, weights = core.additive_attention_from_weights(
+            ops, queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v
+        )
+        return (out, weights) if return_weights else out
+
+    return masked_softmax, dot_product_attention, additive_attention
