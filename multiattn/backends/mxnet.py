@@ -23,6 +23,7 @@ from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, che
 npx.set_np()
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")
+DTYPE_NOTES = {"bfloat16": "mxnet has no bfloat16 dtype"}
 
 
 def _matmul(a, b):

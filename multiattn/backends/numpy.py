@@ -16,7 +16,8 @@ from .._registry import check_framework
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
-SUPPORTED_DTYPES = ("float32", "float64", "float16")  # numpy has no bfloat16
+SUPPORTED_DTYPES = ("float32", "float64", "float16")
+DTYPE_NOTES = {"bfloat16": "numpy has no bfloat16 dtype"}
 
 Seed = Union[None, int, np.random.Generator]
 

@@ -35,6 +35,8 @@ from ..functional import bind  # noqa: E402
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
+_NO_HALF = "paddle's CPU build has no float16/bfloat16 matmul and tanh kernels"
+DTYPE_NOTES = {"float16": _NO_HALF, "bfloat16": _NO_HALF}
 
 _HALF = (paddle.float16, paddle.bfloat16)
 
@@ -95,8 +97,7 @@ def _tensors(**tensors: Any) -> None:
     for arg, x in tensors.items():
         if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
             raise core.InputDtypeError(
-                f"{arg} is {x.dtype} on the CPU, but paddle's CPU build has no float16/bfloat16 "
-                "kernels for matmul and tanh; use float32 (or a GPU)"
+                f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)"
             )
 
 

@@ -72,11 +72,15 @@ class TensorFlowOps:
         return tf.expand_dims(x, axis)
 
     def matmul(self, a, b):
-        if len(b.shape) == 1:
-            return tf.linalg.matvec(a, b)
+        if len(b.shape) < 3:
+            # A weight, not a batch: one plain MatMul.  Broadcasting BatchMatMulV2 over a
+            # rank-1/2 operand was seen to segfault in TF 2.21's oneDNN kernels.
+            return tf.tensordot(a, b, axes=1)
         return tf.matmul(a, b)
 
     def matmul_t(self, a, b):
+        if len(b.shape) < 3:
+            return tf.tensordot(a, tf.transpose(b), axes=1)
         return tf.matmul(a, b, transpose_b=True)
 
     def tanh(self, x):
@@ -219,8 +223,8 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
             keys,
             values,
             valid_lens,
-            project_q=lambda q: tf.matmul(q, tf.cast(self.W_q, dtype)),
-            project_k=lambda k: tf.matmul(k, tf.cast(self.W_k, dtype)),
+            project_q=lambda q: ops.matmul(q, tf.cast(self.W_q, dtype)),
+            project_k=lambda k: ops.matmul(k, tf.cast(self.W_k, dtype)),
             w_v=tf.reshape(tf.cast(self.w_v, dtype), [-1]),
             query_size=self.query_size,
             key_size=self.key_size,

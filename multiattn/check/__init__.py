@@ -29,10 +29,14 @@ def installed_backends() -> List[str]:
     ]
 
 
+# The worker process: a fresh interpreter per backend, so frameworks never share a process.
+WORKER_COMMAND = [sys.executable, "-m", "multiattn.check.worker"]
+
+
 def _run_isolated(name: str, seed: int, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{name}.npz")
-        cmd = [sys.executable, "-m", "multiattn.check.worker", name, str(seed), out]
+        cmd = [*WORKER_COMMAND, name, str(seed), out]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:

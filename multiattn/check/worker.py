@@ -71,7 +71,8 @@ def run_backend(name: str, seed: int) -> Dict[str, Any]:
     results: Dict[str, Any] = {"version": framework_version(name), "status": "ok", "cases": {}}
     for case in make_cases(seed):
         if case.dtype not in module.SUPPORTED_DTYPES:
-            results["cases"][case.name] = {"status": f"unsupported: {name} has no {case.dtype} here"}
+            why = getattr(module, "DTYPE_NOTES", {}).get(case.dtype, f"{name} has no {case.dtype}")
+            results["cases"][case.name] = {"status": f"unsupported: {why}"}
             continue
         try:
             results["cases"][case.name] = {"status": "ok", **_run_case(module, case)}
