@@ -63,16 +63,27 @@ def pytest_report_header(config):
     return line
 
 
-def tested_backends() -> list[str]:
+def backends_under_test() -> list[str]:
     return list(_TESTED)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked backend(name) run when that backend is under test, else are deselected."""
+    keep, drop = [], []
+    for item in items:
+        needed = [marker.args[0] for marker in item.iter_markers("backend")]
+        (keep if all(name in _TESTED for name in needed) else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def pytest_generate_tests(metafunc):
     if "bk" in metafunc.fixturenames:
-        metafunc.parametrize("bk", tested_backends(), indirect=True)
+        metafunc.parametrize("bk", backends_under_test(), indirect=True)
     if "pair" in metafunc.fixturenames:
         # each tested backend with itself, with numpy and with every other tested backend
-        names = tested_backends()
+        names = backends_under_test()
         partners = sorted(set(names) | {"numpy"}, key=list(BACKENDS).index)
         pairs = [(a, b) for i, a in enumerate(partners) for b in partners[i:] if a in names or b in names]
         metafunc.parametrize("pair", pairs, ids=[f"{a}-{b}" for a, b in pairs], indirect=True)

@@ -15,7 +15,7 @@ from multiattn import reference as lib_reference
 from multiattn.backends import numpy as numpy_backend
 
 from . import reference as ref
-from .conftest import tested_backends
+from .conftest import backends_under_test
 from .test_gradients import finite_differences, _inputs, MASKS
 
 
@@ -23,16 +23,16 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "multiattn", *args], capture_output=True, text=True)
 
 
-def test_check_passes_on_the_tested_backends(tmp_path):
-    backends = ",".join(tested_backends())
+def test_check_passes_on_the_backends_under_test(tmp_path):
+    backends = ",".join(backends_under_test())
     result = run_cli("check", "--backends", backends, "--json", str(tmp_path / "out.json"))
     assert result.returncode == 0, result.stdout + result.stderr
-    for name in tested_backends():
+    for name in backends_under_test():
         assert f"\n{name} " in result.stdout
     assert "all agree within tolerance" in result.stdout
     assert "[1/" in result.stderr  # progress while frameworks import
     doc = json.loads((tmp_path / "out.json").read_text())
-    assert doc["seed"] == 0 and set(doc["backends"]) == set(tested_backends())
+    assert doc["seed"] == 0 and set(doc["backends"]) == set(backends_under_test())
     assert all(row["verdict"] in ("ok", "n/a") for row in doc["rows"])
 
 

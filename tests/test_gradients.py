@@ -23,10 +23,15 @@ def _inputs(function):
     B, Q, K, d, k, v, h = SHAPE.values()
     if function == "masked_softmax":
         return {"X": rng.normal(size=(B, Q, K))}, rng.normal(size=(B, Q, K))
-    inputs = {"queries": rng.normal(size=(B, Q, d)), "keys": rng.normal(size=(B, K, k if function == "additive" else d))}
+    inputs = {
+        "queries": rng.normal(size=(B, Q, d)),
+        "keys": rng.normal(size=(B, K, k if function == "additive" else d)),
+    }
     inputs["values"] = rng.normal(size=(B, K, v))
     if function == "additive":
-        inputs.update(W_q=rng.normal(size=(h, d)) * 0.5, W_k=rng.normal(size=(h, k)) * 0.5, w_v=rng.normal(size=(h,)))
+        inputs.update(
+            W_q=rng.normal(size=(h, d)) * 0.5, W_k=rng.normal(size=(h, k)) * 0.5, w_v=rng.normal(size=(h,))
+        )
     return inputs, rng.normal(size=(B, Q, v))
 
 
@@ -112,7 +117,9 @@ def test_masked_and_fully_masked_rows_get_exactly_zero_gradient(bk, dtype):
     rng = np.random.default_rng(8)
     X = bk.tensor(rng.normal(size=(2, 2, 4)) * 100, dtype)
     lens = bk.tensor(np.array([[0, 2], [4, 1]]))
-    _, (grad,) = bk.module.vjp(lambda x: bk.module.masked_softmax(x, lens), [X], bk.tensor(rng.normal(size=(2, 2, 4)), dtype))
+    _, (grad,) = bk.module.vjp(
+        lambda x: bk.module.masked_softmax(x, lens), [X], bk.tensor(rng.normal(size=(2, 2, 4)), dtype)
+    )
     grad = np.asarray(bk.numpy(grad), dtype=np.float64)
     assert not np.isnan(grad).any()
     assert (grad[0, 0] == 0).all() and (grad[0, 1, 2:] == 0).all() and (grad[1, 1, 1:] == 0).all()

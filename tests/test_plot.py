@@ -32,7 +32,9 @@ def test_show_heatmaps_renders_a_png_of_the_requested_size(bk, tmp_path):
 
 
 def test_show_heatmaps_checks_its_input():
-    with pytest.raises(ValueError, match=r"matrices must be 4-D \(rows, cols, queries, keys\), got shape \(2, 10\)"):
+    with pytest.raises(
+        ValueError, match=r"matrices must be 4-D \(rows, cols, queries, keys\), got shape \(2, 10\)"
+    ):
         show_heatmaps(np.zeros((2, 10)), "Keys", "Queries")
     with pytest.raises(ValueError, match="titles must have one entry per column"):
         show_heatmaps(np.zeros((1, 2, 2, 10)), "Keys", "Queries", titles=["only one"])

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.errors import TraceContextError
 
 from .. import core
 from .._registry import check_framework
@@ -118,7 +119,10 @@ class _Module(nnx.Module):
 
     def _finish(self, result, return_weights: bool):
         out, weights = result
-        self._attention_weights.set_value(weights)
+        try:
+            self._attention_weights.set_value(weights)
+        except TraceContextError:
+            pass  # under a plain jax.jit of a closure nnx cannot update state: use return_weights
         return (out, weights) if return_weights else out
 
 

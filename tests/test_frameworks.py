@@ -1,0 +1,324 @@
+"""Each framework's own idioms: modes, dropout, autodiff through the layers, graph/jit modes.
+
+A test marked backend(name) runs whenever that backend is under test (see conftest).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import multiattn
+
+from . import reference as ref
+
+RNG = np.random.default_rng(3)
+Q, K, V = RNG.normal(size=(2, 3, 4)), RNG.normal(size=(2, 6, 4)), RNG.normal(size=(2, 6, 2))
+LENS = np.array([4, 6])
+WEIGHTS = {"W_q": RNG.normal(size=(5, 4)), "W_k": RNG.normal(size=(5, 4)), "w_v": RNG.normal(size=(5,))}
+WANT_DOT = ref.dot_product_attention(Q, K, V, LENS)[0]
+WANT_ADD = ref.additive_attention(Q, K, V, LENS, WEIGHTS["W_q"], WEIGHTS["W_k"], WEIGHTS["w_v"])[0]
+
+
+def python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=300
+    )
+
+
+# --- numpy -------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("numpy")
+def test_numpy_seeds_make_layers_reproducible():
+    from multiattn.backends import numpy as m
+
+    a, b = m.AdditiveAttention(4, 4, 5, seed=7), m.AdditiveAttention(4, 4, 5, seed=7)
+    for key in WEIGHTS:
+        np.testing.assert_array_equal(a.get_weights()[key], b.get_weights()[key])
+    q, k, v = (x.astype("float32") for x in (Q, K, V))
+    one, two = m.DotProductAttention(0.5, seed=1), m.DotProductAttention(0.5, seed=1)
+    np.testing.assert_array_equal(one(q, k, v, LENS), two(q, k, v, LENS))  # same seed, same mask
+    assert not np.allclose(one(q, k, v, LENS), one.eval()(q, k, v, LENS))  # dropout only in training
+    np.testing.assert_allclose(one(q, k, v, LENS), WANT_DOT, rtol=1e-5, atol=1e-6)
+
+
+# --- torch -------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("torch")
+def test_torch_modules_train_eval_and_autograd():
+    import torch
+
+    from multiattn.backends import torch as m
+
+    q, k, v = (torch.tensor(x, dtype=torch.float64) for x in (Q, K, V))
+    lens = torch.tensor(LENS)
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5).double()
+    assert isinstance(layer, torch.nn.Module) and layer.training
+    layer.set_weights(WEIGHTS)
+    # state_dict keys are d2l's, so d2l checkpoints load
+    assert set(layer.state_dict()) == {"W_k.weight", "W_q.weight", "w_v.weight"}
+    train_out = layer(q, k, v, lens)
+    layer.eval()
+    np.testing.assert_allclose(layer(q, k, v, lens).detach().numpy(), WANT_ADD, rtol=1e-10)
+    assert not torch.allclose(train_out, layer(q, k, v, lens))
+    layer(q, k, v, lens).sum().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+@pytest.mark.backend("torch")
+def test_torch_compile():
+    import torch
+
+    from multiattn.backends import torch as m
+
+    layer = m.DotProductAttention().eval()
+    compiled = torch.compile(layer, backend="eager")
+    args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
+    np.testing.assert_allclose(compiled(*args).numpy(), WANT_DOT, rtol=1e-10)
+
+
+# --- tensorflow --------------------------------------------------------------------------
+
+
+@pytest.mark.backend("tensorflow")
+def test_tensorflow_tf_function_and_training_flag():
+    import tensorflow as tf
+
+    from multiattn.backends import tensorflow as m
+
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5, dtype="float64")
+    layer.set_weights(WEIGHTS)
+    args = [tf.constant(x) for x in (Q, K, V)] + [tf.constant(LENS)]
+
+    @tf.function
+    def infer(q, k, v, lens):
+        return layer(q, k, v, lens, training=False)
+
+    np.testing.assert_allclose(infer(*args).numpy(), WANT_ADD, rtol=1e-10)
+    np.testing.assert_allclose(layer(*args).numpy(), WANT_ADD, rtol=1e-10)  # Keras default: inference
+    assert not np.allclose(layer(*args, training=True).numpy(), WANT_ADD)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(*args, training=False))
+    grads = tape.gradient(loss, layer.trainable_weights)
+    assert len(grads) == 3 and all(g is not None for g in grads)
+
+
+@pytest.mark.backend("tensorflow")
+def test_tensorflow_inside_keras_models():
+    import keras
+
+    from multiattn.backends import tensorflow as m
+
+    q_in, k_in, v_in = keras.Input((3, 4)), keras.Input((6, 4)), keras.Input((6, 2))
+    lens_in = keras.Input((), dtype="int32")
+    out = m.DotProductAttention(dropout=0.1)(q_in, k_in, v_in, lens_in)
+    model = keras.Model([q_in, k_in, v_in, lens_in], out)
+    got = model.predict([x.astype("float32") for x in (Q, K, V)] + [LENS.astype("int32")], verbose=0)
+    np.testing.assert_allclose(got, WANT_DOT, rtol=1e-5, atol=1e-6)
+
+    layer = m.AdditiveAttention(4, 4, 5)
+    layer.set_weights(WEIGHTS)
+    keras_list = layer.get_weights(format="keras")
+    assert [w.shape for w in keras_list] == [(4, 5), (4, 5), (5, 1)]  # Keras' (in, out) kernels
+    other = m.AdditiveAttention(4, 4, 5)
+    other.set_weights(keras_list)  # Keras' own list form
+    np.testing.assert_allclose(other.get_weights()["W_q"], WEIGHTS["W_q"], rtol=1e-6)
+    clone = m.AdditiveAttention.from_config(layer.get_config())
+    assert (clone.key_size, clone.query_size, clone.num_hiddens, clone.rate) == (4, 4, 5, 0.0)
+
+
+@pytest.mark.backend("tensorflow")
+def test_keras_on_another_backend_is_a_clear_error():
+    result = python(
+        "import multiattn\ntry:\n    multiattn.get_backend('tensorflow')\n"
+        "except ImportError as err:\n    print(err)\n",
+        KERAS_BACKEND="jax",
+    )
+    assert result.returncode == 0, result.stderr
+    assert (
+        "KERAS_BACKEND='jax'" in result.stdout and "unset it or set KERAS_BACKEND=tensorflow" in result.stdout
+    )
+
+
+# --- jax ---------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("jax")
+def test_jax_jit_grad_vmap():
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    q, k, v = (jnp.asarray(x) for x in (Q, K, V))
+    lens = jnp.asarray(LENS)
+    attend = jax.jit(multiattn.dot_product_attention)
+    np.testing.assert_allclose(np.asarray(attend(q, k, v, lens)), WANT_DOT, rtol=1e-10)
+    grad_q = jax.grad(lambda q: multiattn.dot_product_attention(q, k, v, lens).sum())(q)
+    assert grad_q.shape == q.shape and bool(jnp.isfinite(grad_q).all())
+    # vmap over an extra leading axis: each slice is an ordinary batch
+    stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
+    batched = jax.vmap(lambda q, k, v: multiattn.dot_product_attention(q, k, v, lens))(*stacked)
+    np.testing.assert_allclose(np.asarray(batched[0]), WANT_DOT, rtol=1e-10)
+
+
+@pytest.mark.backend("jax")
+def test_jax_nnx_modules_jit_and_weights():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from multiattn.backends import jax as m
+
+    jax.config.update("jax_enable_x64", True)
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5, rngs=nnx.Rngs(0), param_dtype=jnp.float64)
+    assert isinstance(layer, nnx.Module)
+    layer.set_weights(WEIGHTS)
+    args = [jnp.asarray(x) for x in (Q, K, V)] + [jnp.asarray(LENS)]
+    train_out = layer(*args)
+    layer.eval()
+
+    @nnx.jit
+    def infer(layer, q, k, v, lens):
+        return layer(q, k, v, lens)
+
+    np.testing.assert_allclose(np.asarray(infer(layer, *args)), WANT_ADD, rtol=1e-10)
+    assert layer.attention_weights.shape == (2, 3, 6)  # readable after nnx.jit
+    assert not np.allclose(np.asarray(train_out), WANT_ADD)  # dropout in train mode
+    out, weights = jax.jit(lambda *a: m.DotProductAttention()(*a, return_weights=True))(*args)
+    np.testing.assert_allclose(np.asarray(out), WANT_DOT, rtol=1e-10)
+    assert weights.shape == (2, 3, 6)
+
+
+@pytest.mark.backend("jax")
+def test_jax_float64_without_x64_is_an_error_not_a_silent_float32():
+    result = python(
+        "import numpy as np, multiattn\nm = multiattn.get_backend('jax')\n"
+        "print(m.from_numpy(np.ones(2, 'float32')).dtype)\n"
+        "try:\n    m.from_numpy(np.ones(2))\nexcept ValueError as err:\n    print(err)\n",
+        JAX_ENABLE_X64="0",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("float32\n")
+    assert "float64 needs jax_enable_x64" in result.stdout
+
+
+# --- paddle ------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("paddle")
+def test_paddle_dygraph_train_eval_and_grads():
+    import paddle
+
+    from multiattn.backends import paddle as m
+
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5)
+    layer.to(dtype="float64")
+    layer.set_weights(WEIGHTS)
+    assert isinstance(layer, paddle.nn.Layer) and layer.training
+    args = [paddle.to_tensor(x) for x in (Q, K, V)] + [paddle.to_tensor(LENS)]
+    train_out = layer(*args)
+    layer.eval()
+    np.testing.assert_allclose(layer(*args).numpy(), WANT_ADD, rtol=1e-10)
+    assert not np.allclose(train_out.numpy(), WANT_ADD)
+    layer(*args).sum().backward()
+    assert all(p.grad is not None for p in layer.parameters())
+    assert layer.W_q.weight.shape == [4, 5]  # paddle's (in, out); canonical is (5, 4)
+
+
+@pytest.mark.backend("paddle")
+def test_paddle_half_precision_on_cpu_is_a_clear_error():
+    from multiattn.backends import paddle as m
+
+    x = m.from_numpy(np.ones((1, 2, 3)), "float16")
+    with pytest.raises(
+        TypeError, match="X is paddle.float16 on the CPU, but paddle's CPU build has no float16"
+    ):
+        m.masked_softmax(x)
+
+
+@pytest.mark.backend("paddle")
+def test_paddle_after_tensorflow_is_an_explained_error_not_a_segfault():
+    code = (
+        "import sys, types\n"
+        "sys.modules['tensorflow'] = types.ModuleType('tensorflow')  # as if tensorflow were imported\n"
+        "import multiattn\n"
+        "try:\n    multiattn.get_backend('paddle')\n"
+        "except ImportError as err:\n    print(err)\n"
+        "print('paddle imported:', 'paddle' in sys.modules)\n"
+    )
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    assert "importing paddle after tensorflow crashes the process" in result.stdout
+    assert "import paddle before tensorflow" in result.stdout and "another process" in result.stdout
+    assert "paddle imported: False" in result.stdout
+
+
+@pytest.mark.backend("paddle")
+@pytest.mark.backend("tensorflow")
+def test_paddle_first_then_tensorflow_works():
+    code = (
+        "import paddle, tensorflow, multiattn, numpy as np\n"
+        "for name in ('paddle', 'tensorflow'):\n"
+        "    m = multiattn.get_backend(name)\n"
+        "    print(name, float(m.to_numpy(m.masked_softmax(m.from_numpy(np.zeros((1, 1, 2)), 'float32'))).sum()))\n"
+    )
+    result = python(code)
+    assert result.returncode == 0, result.stderr
+    assert "paddle 1.0" in result.stdout and "tensorflow 1.0" in result.stdout
+
+
+# --- mlx ---------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("mlx")
+def test_mlx_modules_lazy_eval_and_value_and_grad():
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from multiattn.backends import mlx as m
+
+    assert m.from_numpy(Q).dtype == mx.float64  # not silently float32
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5)
+    layer.set_dtype(mx.float64)
+    layer.set_weights(WEIGHTS)
+    args = [m.from_numpy(x) for x in (Q, K, V)] + [m.from_numpy(LENS)]
+    assert layer.training
+    train_out = layer(*args)
+    layer.eval()
+    out = layer(*args)
+    mx.eval(out)
+    np.testing.assert_allclose(np.array(out), WANT_ADD, rtol=1e-6)
+    assert not np.allclose(np.array(train_out), WANT_ADD)
+    loss_and_grad = nn.value_and_grad(layer, lambda *a: layer(*a).sum())
+    _, grads = loss_and_grad(*args)
+    assert set(grads) >= {"W_q", "W_k", "w_v"}
+
+
+# --- mxnet -------------------------------------------------------------------------------
+
+
+@pytest.mark.backend("mxnet")
+def test_mxnet_gluon_dropout_only_in_autograd_training():
+    from mxnet import autograd, gluon
+    from mxnet import np as mnp
+
+    from multiattn.backends import mxnet as m
+
+    layer = m.AdditiveAttention(4, 4, 5, dropout=0.5)
+    layer.cast("float64")
+    layer.set_weights(WEIGHTS)
+    assert isinstance(layer, gluon.nn.Block)
+    args = [mnp.array(x, dtype=x.dtype) for x in (Q, K, V)] + [mnp.array(LENS)]
+    np.testing.assert_allclose(layer(*args).asnumpy(), WANT_ADD, rtol=1e-10)
+    with autograd.record():
+        out = layer(*args)
+        loss = out.sum()
+    loss.backward()
+    assert not np.allclose(out.asnumpy(), WANT_ADD)  # dropout while recording for training
+    assert all(abs(p.grad()).sum() > 0 for p in layer.collect_params().values())
