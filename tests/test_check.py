@@ -16,7 +16,7 @@ from multiattn.backends import numpy as numpy_backend
 
 from . import reference as ref
 from .conftest import backends_under_test
-from .test_gradients import finite_differences, _inputs, MASKS
+from .test_gradients import MASKS, _inputs, finite_differences
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

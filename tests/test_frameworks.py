@@ -266,7 +266,8 @@ def test_paddle_first_then_tensorflow_works():
         "import paddle, tensorflow, multiattn, numpy as np\n"
         "for name in ('paddle', 'tensorflow'):\n"
         "    m = multiattn.get_backend(name)\n"
-        "    print(name, float(m.to_numpy(m.masked_softmax(m.from_numpy(np.zeros((1, 1, 2)), 'float32'))).sum()))\n"
+        "    x = m.from_numpy(np.zeros((1, 1, 2)), 'float32')\n"
+        "    print(name, float(m.to_numpy(m.masked_softmax(x)).sum()))\n"
     )
     result = python(code)
     assert result.returncode == 0, result.stderr

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = {
     m.group(1): m.group(0)[len("```python\n") : -3]
