@@ -49,6 +49,12 @@ def _check_valid_lens(ops: Ops, valid_lens: Tensor, batch: Any, queries: Any) ->
     return shape
 
 
+def _lens_2d(ops: Ops, valid_lens: Tensor) -> Tensor:
+    """(B,) lengths as (B, 1), broadcast over the queries; (B, Q) as they are."""
+    shape = ops.shape(valid_lens)
+    return ops.reshape(valid_lens, (shape[0], 1)) if len(shape) == 1 else valid_lens
+
+
 def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
     """Softmax over the last axis of X with positions ``>= valid_len`` set to exactly 0.
 
@@ -63,10 +69,8 @@ def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
         raise ValueError(
             f"X must be 3-D (batch, queries, keys) when valid_lens is given, got shape {_fmt(shape)}"
         )
-    lens_shape = _check_valid_lens(ops, valid_lens, shape[0], shape[1])
-    if len(lens_shape) == 1:  # one length per batch element, broadcast over the queries
-        valid_lens = ops.reshape(valid_lens, (lens_shape[0], 1))
-    mask = ops.length_mask(X, valid_lens)
+    _check_valid_lens(ops, valid_lens, shape[0], shape[1])
+    mask = ops.length_mask(X, _lens_2d(ops, valid_lens))
     # A finite fill (not -inf) keeps fully masked rows and their gradients free
     # of NaN; the second where makes masked weights exactly 0, not just tiny.
     weights = ops.softmax(ops.where(mask, X, ops.lowest(X)))
@@ -133,18 +137,50 @@ def dot_product_attention(
     values: Tensor,
     valid_lens: Tensor = None,
     dropout: Dropout = None,
-) -> tuple[Tensor, Tensor]:
-    """softmax(Q K^T / sqrt(d)) V; returns (output, attention weights)."""
+    need_weights: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """softmax(Q K^T / sqrt(d)) V; returns (output, attention weights).
+
+    With need_weights=False and no dropout, the framework's fused kernel runs
+    where the adapter has one (``ops.fused_attention``), and the weights are None.
+    """
     check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
-    d = ops.shape(queries)[-1]
-    scores = ops.matmul_t(queries, keys) / math.sqrt(d)
-    return attend(ops, scores, values, valid_lens, dropout)
+    d, n_keys = ops.shape(queries)[-1], ops.shape(keys)[1]
+    scale = 1.0 / math.sqrt(d)
+    fused = getattr(ops, "fused_attention", None)
+    if not need_weights and dropout is None and fused is not None:
+        mask = None if valid_lens is None else ops.length_mask(keys, _lens_2d(ops, valid_lens), axis=1)
+        out = fused(queries, keys, values, mask, scale)
+        if out is not None:
+            return out, None
+    # Scale the smaller operand: queries (B,Q,d) rather than the (B,Q,K) scores when d <= K.
+    if n_keys is not None and d is not None and d <= n_keys:
+        scores = ops.matmul_t(queries * scale, keys)
+    else:
+        scores = ops.matmul_t(queries, keys) * scale
+    out, weights = attend(ops, scores, values, valid_lens, dropout)
+    return out, (weights if need_weights else None)
+
+
+# Elements of one (B, Q, keys, h) block of additive features.  Scores are computed block by
+# block over the keys, so the extra memory stays a few MB instead of the whole (B, Q, K, h).
+FEATURE_BLOCK_ELEMENTS = 1 << 20
 
 
 def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -> Tensor:
     """w_v^T tanh(W_q q + W_k k) for every (query, key) pair: (B,Q,h), (B,K,h), (h,) -> (B,Q,K)."""
-    features = ops.tanh(ops.expand_dims(q_hidden, 2) + ops.expand_dims(k_hidden, 1))
-    return ops.matmul(features, w_v)
+    batch, n_queries, hiddens = ops.shape(q_hidden)
+    n_keys = ops.shape(k_hidden)[1]
+    q_hidden = ops.expand_dims(q_hidden, 2)
+    per_key = (batch or 1) * (n_queries or 1) * (hiddens or 1)
+    if n_keys is None or n_keys * per_key <= FEATURE_BLOCK_ELEMENTS:
+        return ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden, 1)), w_v)
+    step = max(1, FEATURE_BLOCK_ELEMENTS // per_key)
+    blocks = [
+        ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden[:, start : start + step], 1)), w_v)
+        for start in range(0, n_keys, step)
+    ]
+    return ops.concat(blocks, -1)
 
 
 def additive_attention(

@@ -28,9 +28,14 @@ def bind(ops: Ops, check: Callable[..., None]) -> Tuple[Callable[..., Any], ...]
         *,
         return_weights: bool = False,
     ) -> Any:
-        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights)."""
+        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights).
+
+        Without return_weights the framework's fused kernel runs where there is one.
+        """
         check(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, weights = core.dot_product_attention(ops, queries, keys, values, valid_lens)
+        out, weights = core.dot_product_attention(
+            ops, queries, keys, values, valid_lens, need_weights=return_weights
+        )
         return (out, weights) if return_weights else out
 
     def additive_attention(

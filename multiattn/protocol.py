@@ -7,7 +7,7 @@ They are primitives, not attention: the scoring math lives once, in
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Tuple
+from typing import Any, Protocol, Sequence, Tuple
 
 Tensor = Any
 Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
@@ -26,6 +26,8 @@ class Ops(Protocol):
 
     def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
 
+    def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
+
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         """Batched ``a @ b`` with NumPy's matmul broadcasting (b may be 1-D)."""
 
@@ -37,11 +39,21 @@ class Ops(Protocol):
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
 
-    def length_mask(self, x: Tensor, lens: Tensor) -> Tensor:
-        """Boolean ``arange(x.shape[-1]) < lens[..., None]`` on x's device.
+    def length_mask(self, x: Tensor, lens: Tensor, axis: int = -1) -> Tensor:
+        """Boolean ``arange(x.shape[axis]) < lens[..., None]`` on x's device.
 
         lens has shape (B, 1) or (B, Q) and any integer or float dtype; the
         comparison is done in a dtype both sides share.
+        """
+
+    def fused_attention(
+        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
+    ) -> Tensor:
+        """Optional: the framework's fused kernel for softmax(scale Q K^T, masked) V.
+
+        mask is None or boolean (B, 1|Q, K).  Must give 0 for fully masked rows;
+        may return None where the kernel cannot take these inputs.  Adapters
+        without a fused kernel do not define it.
         """
 
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:

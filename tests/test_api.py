@@ -129,3 +129,17 @@ def test_layer_refuses_foreign_tensors_with_advice(bk):
 def test_python_objects_are_not_tensors():
     with pytest.raises(TypeError, match="X must be a tensor of one of numpy, torch"):
         multiattn.masked_softmax([[[1.0, 2.0]]])
+
+
+def test_the_installed_package_is_complete(tmp_path):
+    # run outside the checkout, so the installed distribution is imported, not the source tree
+    code = (
+        "import importlib, importlib.resources, multiattn\n"
+        "for m in ['core', 'protocol', 'functional', 'layers', 'reference', 'plot', 'cli', 'demo',\n"
+        "          'check', 'check.cases', 'check.worker', 'check.table', 'backends.numpy']:\n"
+        "    importlib.import_module('multiattn.' + m)\n"
+        "assert importlib.resources.files('multiattn').joinpath('py.typed').is_file()\n"
+        "print(multiattn.__file__)\n"
+    )
+    result = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr

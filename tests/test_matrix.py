@@ -13,8 +13,9 @@ from .tolerances import assert_close
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
 MASKS = ["none", "1d", "2d"]
 # (batch, queries, keys, query width, key width (additive), value width)
-SHAPES = [(2, 3, 5, 4, 3, 3), (1, 1, 1, 2, 5, 1), (3, 4, 7, 8, 2, 6)]
-SHAPE_IDS = ["2x3x5", "1x1x1", "3x4x7"]
+# the last shape has value width == query width, which jax's fused kernel needs
+SHAPES = [(2, 3, 5, 4, 3, 3), (1, 1, 1, 2, 5, 1), (3, 4, 7, 8, 2, 6), (2, 3, 6, 4, 3, 4)]
+SHAPE_IDS = ["2x3x5", "1x1x1", "3x4x7", "2x3x6v4"]
 
 
 def lengths(kind, batch, n_queries, n_keys, rng):
@@ -100,3 +101,36 @@ def test_additive_attention(bk, dtype, mask, shape):
     )
     assert_close(bk, out, want_out, dtype)
     assert_close(bk, layer.attention_weights, want_weights, dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dot_product_fast_path_without_weights(bk, dtype, mask, shape):
+    """need_weights=False takes the framework's fused kernel where there is one: same results."""
+    supported(bk, dtype)
+    q, k, v, lens, _ = inputs(bk, dtype, shape, mask, seed=4)
+    layer = bk.eval(bk.module.DotProductAttention(need_weights=False))
+    out = bk.call(layer, q, k, v, as_lens(bk, lens))
+    assert layer.attention_weights is None
+    want = ref.dot_product_attention(bk.numpy(q), bk.numpy(k), bk.numpy(v), lens)[0]
+    assert_close(bk, out, want, dtype)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_additive_scores_in_blocks_equal_the_reference(bk, dtype, mask, monkeypatch):
+    """Large inputs are scored in blocks of keys (bounded memory); force tiny blocks here."""
+    from multiattn import core
+
+    monkeypatch.setattr(core, "FEATURE_BLOCK_ELEMENTS", 40)  # 3 x 2 x 6 = 36 per key: 1 key a block
+    shape = (3, 2, 7, 4, 3, 2)
+    q, k, v, lens, rng = inputs(bk, dtype, shape, mask, seed=5, additive=True)
+    weights = {"W_q": rng.normal(size=(6, 4)), "W_k": rng.normal(size=(6, 3)), "w_v": rng.normal(size=(6,))}
+    layer = bk.additive(3, 4, 6, dtype=dtype, weights=weights)
+    stored = layer.get_weights()
+    out = bk.call(layer, q, k, v, as_lens(bk, lens))
+    want = ref.additive_attention(
+        bk.numpy(q), bk.numpy(k), bk.numpy(v), lens, stored["W_q"], stored["W_k"], stored["w_v"]
+    )[0]
+    assert_close(bk, out, want, dtype)

@@ -46,6 +46,9 @@ class JaxOps:
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
 
+    def concat(self, xs, axis):
+        return jnp.concatenate(xs, axis=axis)
+
     def matmul(self, a, b):
         return jnp.matmul(a, b)
 
@@ -60,14 +63,30 @@ class JaxOps:
             return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
         return jax.nn.softmax(x, axis=-1)
 
-    def length_mask(self, x, lens):
-        return jnp.arange(x.shape[-1]) < lens[..., None]
+    def length_mask(self, x, lens, axis=-1):
+        return jnp.arange(x.shape[axis]) < lens[..., None]
 
     def where(self, mask, x, fill):
         return jnp.where(mask, x, jnp.asarray(fill, dtype=x.dtype))
 
     def lowest(self, x):
         return float(jnp.finfo(x.dtype).min)
+
+    def fused_attention(self, queries, keys, values, mask, scale):
+        if values.shape[-1] != queries.shape[-1] or queries.dtype == jnp.float64:
+            # jax's kernel needs the value width to equal the query width, and its
+            # softmax runs in float32, which would cost float64 inputs their precision
+            return None
+        heads = jnp.expand_dims  # jax's layout is (batch, seq, heads, dim): one head
+        out = jax.nn.dot_product_attention(
+            heads(queries, 2),
+            heads(keys, 2),
+            heads(values, 2),
+            mask=None if mask is None else heads(mask, 1),
+            scale=scale,
+        )[:, :, 0, :]
+        # the kernel spreads a fully masked row uniformly; the semantics say 0
+        return out if mask is None else jnp.where(mask.any(-1, keepdims=True), out, 0)
 
 
 ops = JaxOps()
@@ -129,12 +148,24 @@ class _Module(nnx.Module):
 class DotProductAttention(_Module):
     """Scaled dot-product attention; dropout active in train mode (the nnx default)."""
 
-    def __init__(self, dropout: float = 0.0, *, rngs: Optional[nnx.Rngs] = None) -> None:
+    def __init__(
+        self, dropout: float = 0.0, need_weights: bool = True, *, rngs: Optional[nnx.Rngs] = None
+    ) -> None:
         super().__init__(dropout, rngs if rngs is not None else nnx.Rngs(0))
+        self.need_weights = need_weights  # False: jax.nn.dot_product_attention, no weights kept
 
     def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        result = core.dot_product_attention(ops, queries, keys, values, valid_lens, self.dropout)
+        dropping = not self.dropout.deterministic and self.dropout.rate > 0
+        result = core.dot_product_attention(
+            ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self.dropout if dropping else None,
+            self.need_weights or return_weights,
+        )
         return self._finish(result, return_weights)
 
 

@@ -44,6 +44,9 @@ class MlxOps:
     def expand_dims(self, x, axis):
         return mx.expand_dims(x, axis)
 
+    def concat(self, xs, axis):
+        return mx.concatenate(xs, axis=axis)
+
     def matmul(self, a, b):
         return mx.matmul(a, b)
 
@@ -56,14 +59,26 @@ class MlxOps:
     def softmax(self, x):
         return mx.softmax(x, axis=-1, precise=True)  # precise: half types accumulate in float32
 
-    def length_mask(self, x, lens):
-        return mx.arange(x.shape[-1]) < mx.expand_dims(lens, -1)
+    def length_mask(self, x, lens, axis=-1):
+        return mx.arange(x.shape[axis]) < mx.expand_dims(lens, -1)
 
     def where(self, mask, x, fill):
         return mx.where(mask, x, mx.array(fill, dtype=x.dtype))
 
     def lowest(self, x):
         return float(mx.finfo(x.dtype).min)
+
+    def fused_attention(self, queries, keys, values, mask, scale):
+        heads = mx.expand_dims  # mlx's layout is (batch, heads, seq, dim): one head
+        out = mx.fast.scaled_dot_product_attention(
+            heads(queries, 1),
+            heads(keys, 1),
+            heads(values, 1),
+            scale=scale,
+            mask=None if mask is None else heads(mask, 1),
+        )[:, 0]
+        # the kernel spreads a fully masked row uniformly; the semantics say 0
+        return out if mask is None else mx.where(mx.any(mask, axis=-1, keepdims=True), out, 0.0)
 
 
 ops = MlxOps()
@@ -103,9 +118,11 @@ def to_numpy(tensor: Any) -> np.ndarray:
 class DotProductAttention(nn.Module):
     """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self._rate = check_dropout(dropout)
+        self.dropout = nn.Dropout(self._rate)
+        self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
         self._attention_weights: Optional[mx.array] = None
 
     @property
@@ -114,8 +131,9 @@ class DotProductAttention(nn.Module):
 
     def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        dropout = self.dropout if self.training and self._rate > 0 else None
         out, self._attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self.dropout
+            ops, queries, keys, values, valid_lens, dropout, self._need_weights
         )
         return out
 

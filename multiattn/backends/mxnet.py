@@ -47,6 +47,9 @@ class MxnetOps:
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 
+    def concat(self, xs, axis):
+        return np.concatenate(xs, axis=axis)
+
     def matmul(self, a, b):
         return _matmul(a, b)
 
@@ -61,9 +64,9 @@ class MxnetOps:
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
-    def length_mask(self, x, lens):
+    def length_mask(self, x, lens, axis=-1):
         # mxnet's arange is float32 by default: compare in float64 to keep integer lengths exact
-        positions = np.arange(x.shape[-1], dtype="float64")
+        positions = np.arange(x.shape[axis], dtype="float64")
         return positions < np.expand_dims(lens.astype("float64"), -1)
 
     def where(self, mask, x, fill):
@@ -108,15 +111,16 @@ def to_numpy(tensor: Any) -> onp.ndarray:
 class DotProductAttention(nn.Block):
     """Scaled dot-product attention; dropout only inside ``autograd.record()``."""
 
-    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dropout = nn.Dropout(check_dropout(dropout))
+        self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights = None
 
     def forward(self, queries, keys, values, valid_lens=None):
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
         out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self.dropout
+            ops, queries, keys, values, valid_lens, self.dropout, self.need_weights
         )
         return out
 

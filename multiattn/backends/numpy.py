@@ -37,6 +37,9 @@ class NumpyOps:
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 
+    def concat(self, xs, axis):
+        return np.concatenate(xs, axis=axis)
+
     def matmul(self, a, b):
         return np.matmul(a, b)
 
@@ -51,8 +54,8 @@ class NumpyOps:
         e = np.exp(work - work.max(axis=-1, keepdims=True, initial=-np.inf))
         return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
 
-    def length_mask(self, x, lens):
-        return np.arange(x.shape[-1]) < lens[..., None]
+    def length_mask(self, x, lens, axis=-1):
+        return np.arange(x.shape[axis]) < lens[..., None]
 
     def where(self, mask, x, fill):
         return np.where(mask, x, np.asarray(fill, dtype=x.dtype))
@@ -110,13 +113,14 @@ class _Layer:
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; ``seed`` seeds the dropout masks."""
 
-    def __init__(self, dropout: float = 0.0, *, seed: Seed = None) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True, *, seed: Seed = None) -> None:
         super().__init__(dropout, seed)
+        self.need_weights = need_weights  # False: attention_weights is not kept
 
     def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
         _arrays(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
         out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self._dropout
+            ops, queries, keys, values, valid_lens, self._dropout, self.need_weights
         )
         return out
 

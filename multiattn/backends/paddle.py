@@ -62,6 +62,9 @@ class PaddleOps:
     def expand_dims(self, x, axis):
         return paddle.unsqueeze(x, axis)
 
+    def concat(self, xs, axis):
+        return paddle.concat(xs, axis=axis)
+
     def matmul(self, a, b):
         return paddle.matmul(a, b)
 
@@ -76,10 +79,10 @@ class PaddleOps:
             return nn.functional.softmax(x, axis=-1, dtype="float32").astype(x.dtype)
         return nn.functional.softmax(x, axis=-1)
 
-    def length_mask(self, x, lens):
+    def length_mask(self, x, lens, axis=-1):
         # paddle does not promote int64 against int32: compare in int64 or float64
         common = "float64" if paddle.is_floating_point(lens) else "int64"
-        positions = paddle.arange(x.shape[-1], dtype=common)
+        positions = paddle.arange(x.shape[axis], dtype=common)
         return positions < paddle.unsqueeze(lens.astype(common), -1)
 
     def where(self, mask, x, fill):
@@ -129,15 +132,16 @@ def to_numpy(tensor: Any) -> np.ndarray:
 class DotProductAttention(nn.Layer):
     """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
 
-    def __init__(self, dropout: float = 0.0) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
         self.dropout = nn.Dropout(check_dropout(dropout))
+        self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights: Optional[paddle.Tensor] = None
 
     def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
         out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self.dropout
+            ops, queries, keys, values, valid_lens, self.dropout, self.need_weights
         )
         return out
 

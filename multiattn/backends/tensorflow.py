@@ -71,6 +71,9 @@ class TensorFlowOps:
     def expand_dims(self, x, axis):
         return tf.expand_dims(x, axis)
 
+    def concat(self, xs, axis):
+        return tf.concat(xs, axis=axis)
+
     def matmul(self, a, b):
         if len(b.shape) < 3:
             # A weight, not a batch: one plain MatMul.  Broadcasting BatchMatMulV2 over a
@@ -91,10 +94,10 @@ class TensorFlowOps:
             return tf.cast(tf.nn.softmax(tf.cast(x, tf.float32), axis=-1), x.dtype)
         return tf.nn.softmax(x, axis=-1)
 
-    def length_mask(self, x, lens):
+    def length_mask(self, x, lens, axis=-1):
         # tf.range has no small or unsigned integer dtypes: compare in int64 or float64
         common = tf.float64 if lens.dtype.is_floating else tf.int64
-        positions = tf.range(tf.shape(x)[-1], dtype=common)
+        positions = tf.range(tf.shape(x)[axis], dtype=common)
         return positions < tf.expand_dims(tf.cast(lens, common), -1)
 
     def where(self, mask, x, fill):
@@ -156,13 +159,14 @@ class _Layer(keras.layers.Layer):
 class DotProductAttention(_Layer):
     """Scaled dot-product attention as a Keras layer; dropout only when training."""
 
-    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(dropout, **kwargs)
+        self.need_weights = need_weights  # False: attention_weights is not kept (no fused TF kernel)
 
     def call(self, queries, keys, values, valid_lens=None, training=None):
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
         out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self._dropout(training)
+            ops, queries, keys, values, valid_lens, self._dropout(training), self.need_weights
         )
         return out
 

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .. import core
 from .._registry import check_framework
@@ -45,6 +46,9 @@ class TorchOps:
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
 
+    def concat(self, xs, axis):
+        return torch.cat(xs, dim=axis)
+
     def matmul(self, a, b):
         return torch.matmul(a, b)
 
@@ -59,14 +63,18 @@ class TorchOps:
             return torch.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)
         return torch.softmax(x, dim=-1)
 
-    def length_mask(self, x, lens):
-        return torch.arange(x.shape[-1], device=x.device) < lens.to(x.device).unsqueeze(-1)
+    def length_mask(self, x, lens, axis=-1):
+        return torch.arange(x.shape[axis], device=x.device) < lens.to(x.device).unsqueeze(-1)
 
     def where(self, mask, x, fill):
         return torch.where(mask, x, fill)
 
     def lowest(self, x):
         return torch.finfo(x.dtype).min
+
+    def fused_attention(self, queries, keys, values, mask, scale):
+        # torch's SDPA gives 0 (and zero gradients) for fully masked rows, like the core.
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
 
 
 ops = TorchOps()
@@ -104,15 +112,17 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 class DotProductAttention(nn.Module):
     """Scaled dot-product attention; dropout on the weights in training mode only."""
 
-    def __init__(self, dropout: float = 0.0, **kwargs: Any) -> None:
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.dropout = nn.Dropout(check_dropout(dropout))
+        self.need_weights = need_weights  # False: fused SDPA kernel, attention_weights stays None
         self.attention_weights: Optional[torch.Tensor] = None
 
     def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
         _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        dropout = self.dropout if self.training and self.dropout.p > 0 else None
         out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self.dropout
+            ops, queries, keys, values, valid_lens, dropout, self.need_weights
         )
         return out
 
