@@ -49,10 +49,10 @@ def _check_valid_lens(ops: Ops, valid_lens: Tensor, batch: Any, queries: Any) ->
     return shape
 
 
-def _lens_2d(ops: Ops, valid_lens: Tensor) -> Tensor:
-    """(B,) lengths as (B, 1), broadcast over the queries; (B, Q) as they are."""
-    shape = ops.shape(valid_lens)
-    return ops.reshape(valid_lens, (shape[0], 1)) if len(shape) == 1 else valid_lens
+def per_row(lens: Any) -> Any:
+    """Lengths (B,) as (B, 1, 1), (B, Q) as (B, Q, 1): against positions (K,) they give the
+    (B, 1|Q, K) mask.  Plain indexing, which every framework's tensors support."""
+    return lens[:, None, None] if len(lens.shape) == 1 else lens[:, :, None]
 
 
 def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
@@ -62,19 +62,39 @@ def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
     length act as the row length.  The mask is broadcast, never copied per row.
     """
     _check_float(ops, "X", X)
-    if valid_lens is None:
-        return ops.softmax(X)
     shape = ops.shape(X)
+    if valid_lens is None:
+        return ops.zeros(shape, X) if _is_empty(shape) else ops.softmax(X)
     if len(shape) != 3:
         raise ValueError(
             f"X must be 3-D (batch, queries, keys) when valid_lens is given, got shape {_fmt(shape)}"
         )
     _check_valid_lens(ops, valid_lens, shape[0], shape[1])
-    mask = ops.length_mask(X, _lens_2d(ops, valid_lens))
+    if _is_empty(shape):
+        return ops.zeros(shape, X)
+    return _masked_softmax(ops, X, ops.length_mask(X, valid_lens), owned=False)
+
+
+def _masked_softmax(ops: Ops, X: Tensor, mask: Tensor, owned: bool) -> Tensor:
+    """The masked softmax once the arguments are checked; owned: X is the core's own scores."""
+    # where_owned may overwrite its argument (an adapter's in-place fast path); only for
+    # tensors the core made itself, never for the caller's X.
+    where_owned = getattr(ops, "where_owned", ops.where)
     # A finite fill (not -inf) keeps fully masked rows and their gradients free
     # of NaN; the second where makes masked weights exactly 0, not just tiny.
-    weights = ops.softmax(ops.where(mask, X, ops.lowest(X)))
-    return ops.where(mask, weights, 0.0)
+    weights = ops.softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
+    return where_owned(mask, weights, 0.0)
+
+
+def _is_empty(shape: Shape) -> bool:
+    return 0 in shape
+
+
+def _empty_attention(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Some dimension is 0: outputs of the right shape without running any kernel (some
+    frameworks abort on empty tensors).  No keys at all: every row is fully masked, so 0."""
+    (batch, n_queries, _), n_keys, width = ops.shape(queries), ops.shape(keys)[1], ops.shape(values)[-1]
+    return ops.zeros((batch, n_queries, width), values), ops.zeros((batch, n_queries, n_keys), values)
 
 
 def check_attention_inputs(
@@ -125,9 +145,23 @@ def attend(
     ops: Ops, scores: Tensor, values: Tensor, valid_lens: Tensor = None, dropout: Dropout = None
 ) -> tuple[Tensor, Tensor]:
     """(masked_softmax(scores) @ values with dropout on the weights, weights before dropout)."""
-    weights = masked_softmax(ops, scores, valid_lens)
+    if valid_lens is None:
+        weights = ops.softmax(scores)
+    else:
+        mask = ops.length_mask(scores, valid_lens)  # (B, 1|Q, K)
+        weights = _masked_softmax(ops, scores, mask, owned=True)
+        values = _drop_unused_values(ops, values, mask)
     dropped = weights if dropout is None else dropout(weights)
     return ops.matmul(dropped, values), weights
+
+
+def _drop_unused_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:
+    """Zero the value rows no query may attend to (padding), so that a NaN or inf there
+    cannot reach the output through 0 * NaN in the matmul.  (B, K, v): a small pass."""
+    batch, n_keys = ops.shape(values)[:2]
+    if ops.shape(mask)[1] != 1:  # per-query lengths: a key is used if any query may see it
+        mask = ops.any(mask, 1)
+    return ops.where(ops.reshape(mask, (batch, n_keys, 1)), values, 0.0)
 
 
 def dot_product_attention(
@@ -145,12 +179,21 @@ def dot_product_attention(
     where the adapter has one (``ops.fused_attention``), and the weights are None.
     """
     check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    if _is_empty(ops.shape(queries)[:2] + ops.shape(keys)[1:2]):
+        return _empty_attention(ops, queries, keys, values)
     d, n_keys = ops.shape(queries)[-1], ops.shape(keys)[1]
     scale = 1.0 / math.sqrt(d)
     fused = getattr(ops, "fused_attention", None)
     if not need_weights and dropout is None and fused is not None:
-        mask = None if valid_lens is None else ops.length_mask(keys, _lens_2d(ops, valid_lens), axis=1)
-        out = fused(queries, keys, values, mask, scale)
+        if valid_lens is None:
+            out = fused(queries, keys, values, None, scale)
+        else:
+            mask = ops.length_mask(keys, valid_lens, axis=1)  # (B, 1|Q, K)
+            # the same guarantees as the unfused path: nothing from padding reaches an output
+            # (kernels add the mask to NaN scores), and fully masked rows are 0, not uniform
+            keys, values = _drop_unused_values(ops, keys, mask), _drop_unused_values(ops, values, mask)
+            out = fused(queries, keys, values, mask, scale)
+            out = None if out is None else ops.where(mask[:, :, :1], out, 0.0)
         if out is not None:
             return out, None
     # Scale the smaller operand: queries (B,Q,d) rather than the (B,Q,K) scores when d <= K.
@@ -199,6 +242,8 @@ def additive_attention(
 ) -> tuple[Tensor, Tensor]:
     """Additive attention; project_q/project_k apply W_q/W_k (the layer's own linear maps)."""
     check_attention_inputs(ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size)
+    if _is_empty(ops.shape(queries)[:2] + ops.shape(keys)[1:2]):
+        return _empty_attention(ops, queries, keys, values)
     scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
     return attend(ops, scores, values, valid_lens, dropout)
 

@@ -24,6 +24,12 @@ class Ops(Protocol):
 
     def reshape(self, x: Tensor, shape: Shape) -> Tensor: ...
 
+    def zeros(self, shape: Shape, like: Tensor) -> Tensor:
+        """Zeros of ``shape`` in like's dtype, on like's device."""
+
+    def any(self, mask: Tensor, axis: int) -> Tensor:
+        """Logical or over one axis of a boolean tensor, the axis kept (size 1)."""
+
     def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
 
     def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
@@ -40,10 +46,10 @@ class Ops(Protocol):
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
 
     def length_mask(self, x: Tensor, lens: Tensor, axis: int = -1) -> Tensor:
-        """Boolean ``arange(x.shape[axis]) < lens[..., None]`` on x's device.
+        """Boolean ``arange(x.shape[axis]) < lens`` of shape (B, 1, K) or (B, Q, K), on x's device.
 
-        lens has shape (B, 1) or (B, Q) and any integer or float dtype; the
-        comparison is done in a dtype both sides share.
+        lens has shape (B,) (one length per batch element: (B, 1, K)) or (B, Q),
+        any integer or float dtype; the comparison is in a dtype both sides share.
         """
 
     def fused_attention(
@@ -51,9 +57,9 @@ class Ops(Protocol):
     ) -> Tensor:
         """Optional: the framework's fused kernel for softmax(scale Q K^T, masked) V.
 
-        mask is None or boolean (B, 1|Q, K).  Must give 0 for fully masked rows;
-        may return None where the kernel cannot take these inputs.  Adapters
-        without a fused kernel do not define it.
+        mask is None or boolean (B, 1|Q, K).  The core zeroes fully masked rows
+        and padding itself; the kernel may return None where it cannot take these
+        inputs.  Adapters without a fused kernel do not define it.
         """
 
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
@@ -61,3 +67,7 @@ class Ops(Protocol):
 
     def lowest(self, x: Tensor) -> float:
         """The most negative finite value of x's dtype."""
+
+    def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
+        """Optional: ``where`` for an x the core made itself, which may be filled in place
+        (when autograd does not need it).  Adapters without a faster way omit it."""

@@ -21,6 +21,7 @@ from flax.errors import TraceContextError
 
 from .. import core
 from .._registry import check_framework
+from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
@@ -43,6 +44,12 @@ class JaxOps:
     def reshape(self, x, shape):
         return jnp.reshape(x, shape)
 
+    def zeros(self, shape, like):
+        return jnp.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return jnp.any(mask, axis=axis, keepdims=True)
+
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
 
@@ -64,7 +71,7 @@ class JaxOps:
         return jax.nn.softmax(x, axis=-1)
 
     def length_mask(self, x, lens, axis=-1):
-        return jnp.arange(x.shape[axis]) < lens[..., None]
+        return jnp.arange(x.shape[axis]) < _per_row(lens)
 
     def where(self, mask, x, fill):
         return jnp.where(mask, x, jnp.asarray(fill, dtype=x.dtype))
@@ -85,8 +92,7 @@ class JaxOps:
             mask=None if mask is None else heads(mask, 1),
             scale=scale,
         )[:, :, 0, :]
-        # the kernel spreads a fully masked row uniformly; the semantics say 0
-        return out if mask is None else jnp.where(mask.any(-1, keepdims=True), out, 0)
+        return out  # the core zeroes fully masked rows, which this kernel spreads uniformly
 
 
 ops = JaxOps()

@@ -16,6 +16,7 @@ from mlx import nn
 
 from .. import core
 from .._registry import check_framework
+from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
@@ -41,6 +42,12 @@ class MlxOps:
     def reshape(self, x, shape):
         return mx.reshape(x, shape)
 
+    def zeros(self, shape, like):
+        return mx.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return mx.any(mask, axis=axis, keepdims=True)
+
     def expand_dims(self, x, axis):
         return mx.expand_dims(x, axis)
 
@@ -60,7 +67,7 @@ class MlxOps:
         return mx.softmax(x, axis=-1, precise=True)  # precise: half types accumulate in float32
 
     def length_mask(self, x, lens, axis=-1):
-        return mx.arange(x.shape[axis]) < mx.expand_dims(lens, -1)
+        return mx.arange(x.shape[axis]) < _per_row(lens)
 
     def where(self, mask, x, fill):
         return mx.where(mask, x, mx.array(fill, dtype=x.dtype))
@@ -77,8 +84,7 @@ class MlxOps:
             scale=scale,
             mask=None if mask is None else heads(mask, 1),
         )[:, 0]
-        # the kernel spreads a fully masked row uniformly; the semantics say 0
-        return out if mask is None else mx.where(mx.any(mask, axis=-1, keepdims=True), out, 0.0)
+        return out  # the core zeroes fully masked rows, which this kernel spreads uniformly
 
 
 ops = MlxOps()

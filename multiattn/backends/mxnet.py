@@ -17,6 +17,7 @@ from mxnet.gluon import nn
 
 from .. import core
 from .._registry import check_framework
+from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
@@ -44,6 +45,12 @@ class MxnetOps:
     def reshape(self, x, shape):
         return x.reshape(shape)
 
+    def zeros(self, shape, like):
+        return np.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return mask.astype("int32").max(axis=axis, keepdims=True) > 0  # mxnet.np has no any()
+
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 
@@ -67,7 +74,7 @@ class MxnetOps:
     def length_mask(self, x, lens, axis=-1):
         # mxnet's arange is float32 by default: compare in float64 to keep integer lengths exact
         positions = np.arange(x.shape[axis], dtype="float64")
-        return positions < np.expand_dims(lens.astype("float64"), -1)
+        return positions < _per_row(lens.astype("float64"))
 
     def where(self, mask, x, fill):
         return np.where(mask, x, np.array(fill, dtype=x.dtype))

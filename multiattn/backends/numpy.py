@@ -13,6 +13,7 @@ import numpy as np
 
 from .. import core
 from .._registry import check_framework
+from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
@@ -33,6 +34,12 @@ class NumpyOps:
 
     def reshape(self, x, shape):
         return x.reshape(shape)
+
+    def zeros(self, shape, like):
+        return np.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return np.any(mask, axis=axis, keepdims=True)
 
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
@@ -55,7 +62,7 @@ class NumpyOps:
         return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
 
     def length_mask(self, x, lens, axis=-1):
-        return np.arange(x.shape[axis]) < lens[..., None]
+        return np.arange(x.shape[axis]) < _per_row(lens)
 
     def where(self, mask, x, fill):
         return np.where(mask, x, np.asarray(fill, dtype=x.dtype))

@@ -31,7 +31,8 @@ from paddle import nn  # noqa: E402
 
 from .. import core  # noqa: E402
 from .._registry import check_framework  # noqa: E402
-from ..functional import bind  # noqa: E402
+from ..core import per_row as _per_row  # noqa: E402
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
@@ -59,6 +60,12 @@ class PaddleOps:
     def reshape(self, x, shape):
         return paddle.reshape(x, [-1 if d is None else d for d in shape])
 
+    def zeros(self, shape, like):
+        return paddle.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return paddle.any(mask, axis=axis, keepdim=True)
+
     def expand_dims(self, x, axis):
         return paddle.unsqueeze(x, axis)
 
@@ -83,7 +90,7 @@ class PaddleOps:
         # paddle does not promote int64 against int32: compare in int64 or float64
         common = "float64" if paddle.is_floating_point(lens) else "int64"
         positions = paddle.arange(x.shape[axis], dtype=common)
-        return positions < paddle.unsqueeze(lens.astype(common), -1)
+        return positions < _per_row(lens.astype(common))
 
     def where(self, mask, x, fill):
         return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))

@@ -41,7 +41,8 @@ if (
     )
 
 from .. import core  # noqa: E402
-from ..functional import bind  # noqa: E402
+from ..core import per_row as _per_row  # noqa: E402
+from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
@@ -67,6 +68,12 @@ class TensorFlowOps:
 
     def reshape(self, x, shape):
         return tf.reshape(x, [-1 if d is None else d for d in shape])
+
+    def zeros(self, shape, like):
+        return tf.zeros(shape, dtype=like.dtype)
+
+    def any(self, mask, axis):
+        return tf.reduce_any(mask, axis=axis, keepdims=True)
 
     def expand_dims(self, x, axis):
         return tf.expand_dims(x, axis)
@@ -98,7 +105,7 @@ class TensorFlowOps:
         # tf.range has no small or unsigned integer dtypes: compare in int64 or float64
         common = tf.float64 if lens.dtype.is_floating else tf.int64
         positions = tf.range(tf.shape(x)[axis], dtype=common)
-        return positions < tf.expand_dims(tf.cast(lens, common), -1)
+        return positions < _per_row(tf.cast(lens, common))
 
     def where(self, mask, x, fill):
         return tf.where(mask, x, tf.constant(fill, dtype=x.dtype))

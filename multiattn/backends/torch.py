@@ -22,6 +22,7 @@ from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, che
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 _HALF = (torch.float16, torch.bfloat16)
+_KINDS: dict = {}  # dtype -> numpy kind letter, filled on first use (dtype checks run on every call)
 
 
 class TorchOps:
@@ -31,7 +32,11 @@ class TorchOps:
         return tuple(x.shape)
 
     def dtype_kind(self, x):
-        dtype = x.dtype
+        kind = _KINDS.get(x.dtype)
+        return kind if kind is not None else _KINDS.setdefault(x.dtype, self._kind(x.dtype))
+
+    @staticmethod
+    def _kind(dtype):
         if dtype == torch.bool:
             return "b"
         if dtype.is_complex:
@@ -42,6 +47,12 @@ class TorchOps:
 
     def reshape(self, x, shape):
         return x.reshape(shape)
+
+    def zeros(self, shape, like):
+        return torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    def any(self, mask, axis):
+        return mask.any(dim=axis, keepdim=True)
 
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
@@ -64,17 +75,53 @@ class TorchOps:
         return torch.softmax(x, dim=-1)
 
     def length_mask(self, x, lens, axis=-1):
-        return torch.arange(x.shape[axis], device=x.device) < lens.to(x.device).unsqueeze(-1)
+        if lens.device != x.device:
+            lens = lens.to(x.device)
+        per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
+        return _positions(x.shape[axis], x.device) < per_row
 
     def where(self, mask, x, fill):
         return torch.where(mask, x, fill)
 
     def lowest(self, x):
-        return torch.finfo(x.dtype).min
+        return _LOWEST[x.dtype]
+
+    def where_owned(self, mask, x, fill):
+        # x is the core's own intermediate: fill it in place unless autograd tracks it
+        # (saves a (B, Q, K) allocation and a pass; softmax's backward needs its output).
+        if x.requires_grad and torch.is_grad_enabled():
+            return torch.where(mask, x, fill)
+        return torch.where(mask, x, _scalar(fill, x.dtype, x.device), out=x)
 
     def fused_attention(self, queries, keys, values, mask, scale):
         # torch's SDPA gives 0 (and zero gradients) for fully masked rows, like the core.
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+
+
+_SCALARS: dict = {}
+_LOWEST = {
+    dtype: torch.finfo(dtype).min for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+}
+
+
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """arange(n), cached: the mask is rebuilt on every call and the toy sizes are per-op bound."""
+    key = (n, device)
+    tensor = _SCALARS.get(key)
+    if tensor is None:
+        if len(_SCALARS) > 256:  # many distinct sizes: keep the cache small
+            _SCALARS.clear()
+        tensor = _SCALARS[key] = torch.arange(n, device=device)
+    return tensor
+
+
+def _scalar(value: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A cached 0-d tensor (torch.where(..., out=) takes no Python scalar)."""
+    key = (value, dtype, device)
+    tensor = _SCALARS.get(key)
+    if tensor is None:
+        tensor = _SCALARS[key] = torch.tensor(value, dtype=dtype, device=device)
+    return tensor
 
 
 ops = TorchOps()

@@ -1,0 +1,269 @@
+"""Benchmark suite: multiattn against the textbook implementation and the bare floor.
+
+    python benchmarks/run.py                                  # every installed backend
+    python benchmarks/run.py --backends torch --out benchmarks/RESULTS.md
+    python benchmarks/run.py --python mxnet=.tox/mxnet/bin/python   # mxnet from its own env
+
+Per backend (each in its own subprocess) and size, in the same run: median
+time of the textbook implementation (d2l's way, benchmarks/textbook.py),
+multiattn (weights materialised, as d2l; and, for dot-product, the
+no-weights fast path), and the floor (matmul, softmax, matmul, no mask).  Peak
+memory: the growth of the process's peak RSS during one call, each measured in
+a fresh subprocess.  Ratios are to the textbook and to the floor of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+# name: (kind, B, Q, K, d or query width, key width, value width, hiddens)
+SIZES = {
+    "toy": ("dot", 2, 1, 10, 2, 2, 4, 0),
+    "medium": ("dot", 8, 512, 512, 64, 64, 64, 0),
+    "long": ("dot", 4, 2048, 2048, 64, 64, 64, 0),
+    "additive": ("additive", 4, 256, 256, 32, 16, 64, 64),
+}
+MEMORY_SIZES = ("long", "additive")
+IMPLS = ("textbook", "multiattn", "multiattn-fast", "floor")
+
+
+def _inputs(backend: str, size: str, module):
+    import numpy as np
+
+    kind, B, Q, K, d, k_width, v_width, h = SIZES[size]
+    rng = np.random.default_rng(0)
+    arrays = [
+        rng.normal(size=(B, Q, d)),
+        rng.normal(size=(B, K, d if kind == "dot" else k_width)),
+        rng.normal(size=(B, K, v_width)),
+    ]
+    tensors = [module.from_numpy(a, "float32") for a in arrays]
+    lens = rng.integers(K // 2, K + 1, size=B)
+    tensors.append(module.from_numpy(lens.astype("float32" if backend == "mxnet" else "int64")))
+    if kind == "additive":
+        for shape in ((h, d), (h, k_width), (h,)):
+            tensors.append(module.from_numpy(rng.normal(size=shape) * 0.3, "float32"))
+    return kind, tensors
+
+
+def _functions(backend: str, module, kind: str) -> dict:
+    from textbook import implementations
+
+    impls = implementations(backend)
+    if kind == "dot":
+        fns = {
+            "textbook": impls["textbook"][0],
+            "multiattn": lambda q, k, v, lens: module.dot_product_attention(
+                q, k, v, lens, return_weights=True
+            )[0],
+            "multiattn-fast": lambda q, k, v, lens: module.dot_product_attention(q, k, v, lens),
+            "floor": impls["floor"][0],
+        }
+    else:
+        fns = {
+            "textbook": impls["textbook"][1],
+            "multiattn": lambda q, k, v, lens, W_q, W_k, w_v: module.additive_attention(
+                q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v
+            ),
+            "floor": impls["floor"][1],
+        }
+    if backend == "jax":
+        import jax
+
+        fns = {name: jax.jit(f) for name, f in fns.items()}
+    return fns
+
+
+def _sync(backend: str, out) -> None:
+    """Wait for asynchronous frameworks to finish the call."""
+    if backend == "jax":
+        out.block_until_ready()
+    elif backend == "mlx":
+        import mlx.core as mx
+
+        mx.eval(out)
+    elif backend == "mxnet":
+        out.wait_to_read()
+
+
+def _context(backend: str):
+    if backend == "torch":
+        import torch
+
+        return torch.no_grad()
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def _setup(backend: str):
+    import multiattn
+
+    return multiattn.get_backend(backend)
+
+
+def time_backend(backend: str, sizes: list, min_time: float) -> dict:
+    module = _setup(backend)
+    results = {"version": _version(backend), "times": {}}
+    with _context(backend):
+        for size in sizes:
+            kind, args = _inputs(backend, size, module)
+            for name, fn in _functions(backend, module, kind).items():
+                for _ in range(2):  # warm-up (and jit compilation)
+                    _sync(backend, fn(*args))
+                samples, start = [], time.perf_counter()
+                while len(samples) < 5 or (time.perf_counter() - start < min_time and len(samples) < 200):
+                    t0 = time.perf_counter()
+                    _sync(backend, fn(*args))
+                    samples.append(time.perf_counter() - t0)
+                results["times"][f"{size}/{name}"] = statistics.median(samples)
+    return results
+
+
+def memory_once(backend: str, size: str, impl: str) -> float:
+    """MiB by which one call raises the process's peak RSS (run in a fresh process)."""
+    module = _setup(backend)
+    with _context(backend):
+        kind, args = _inputs(backend, size, module)
+        fn = _functions(backend, module, kind)[impl]
+        if backend == "jax":  # compile first: the compiler's memory is not the call's
+            fn.lower(*args).compile()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        _sync(backend, fn(*args))
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return (after - before) / 1024.0
+
+
+def _version(backend: str) -> str:
+    from multiattn._registry import BACKENDS
+
+    module = sys.modules.get(BACKENDS[backend][0])
+    return str(getattr(module, "__version__", "?"))
+
+
+def _worker(argv: list) -> int:
+    mode, backend = argv[0], argv[1]
+    if mode == "time":
+        print(json.dumps(time_backend(backend, argv[2].split(","), float(argv[3]))))
+    else:
+        print(json.dumps(memory_once(backend, argv[2], argv[3])))
+    return 0
+
+
+# glibc hands large freed blocks back to the OS, so on a small VM every (B, Q, K) allocation
+# page-faults afresh and times measure the kernel, not the attention (seen: 3x swings between
+# identical runs).  Workers keep freed memory instead; the same for every implementation.
+STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHOLD_": str(1 << 32)}
+ENV = dict(os.environ)
+
+
+def _run(python: str, *args: str) -> object:
+    # memory is measured with the system allocator: raised thresholds would keep freed blocks
+    env = ENV if args[0] == "time" else dict(os.environ)
+    proc = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"
+
+
+def render(results: dict, sizes: list) -> str:
+    lines = [
+        "| backend | size | textbook | multiattn | fast path | floor | multiattn / textbook | "
+        "multiattn / floor | fast / floor | peak MiB textbook | peak MiB multiattn | memory ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for backend, res in results.items():
+        if "error" in res:
+            lines.append(f"| {backend} | - | failed: {res['error']} |" + " |" * 9)
+            continue
+        for size in sizes:
+            t = {impl: res["times"].get(f"{size}/{impl}") for impl in IMPLS}
+            m = {impl: res.get("memory", {}).get(f"{size}/{impl}") for impl in ("textbook", "multiattn")}
+            ms = {k: "-" if v is None else f"{v * 1e3:.2f} ms" for k, v in t.items()}
+            mem = {k: "-" if v is None else f"{v:.1f}" for k, v in m.items()}
+            lines.append(
+                f"| {backend} {res['version']} | {size} | {ms['textbook']} | {ms['multiattn']} | "
+                f"{ms['multiattn-fast']} | {ms['floor']} | {_ratio(t['multiattn'], t['textbook'])} | "
+                f"{_ratio(t['multiattn'], t['floor'])} | {_ratio(t['multiattn-fast'], t['floor'])} | "
+                f"{mem['textbook']} | {mem['multiattn']} | {_ratio(m['multiattn'], m['textbook'])} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return _worker(sys.argv[2:])
+    from multiattn.check import installed_backends
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backends", help="comma-separated (default: every installed backend)")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated of {', '.join(SIZES)}")
+    parser.add_argument("--min-time", type=float, default=0.5, help="seconds of samples per measurement")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    parser.add_argument("--python", action="append", default=[], help="BACKEND=PYTHON to run it elsewhere")
+    parser.add_argument(
+        "--system-allocator", action="store_true", help="leave glibc's allocator thresholds alone (noisier)"
+    )
+    parser.add_argument(
+        "--out", default=str(HERE / "RESULTS.md"), help="markdown table (default benchmarks/RESULTS.md)"
+    )
+    args = parser.parse_args()
+    pythons = dict(p.split("=", 1) for p in args.python)
+    if not args.system_allocator:
+        ENV.update(STEADY_ALLOCATOR)
+    backends = args.backends.split(",") if args.backends else installed_backends()
+    sizes = args.sizes.split(",")
+    results = {}
+    for backend in backends:
+        python = pythons.get(backend, sys.executable)
+        print(f"{backend}: timing {', '.join(sizes)} ...", file=sys.stderr, flush=True)
+        try:
+            results[backend] = _run(python, "time", backend, ",".join(sizes), str(args.min_time))
+            if not args.no_memory:
+                results[backend]["memory"] = {}
+                for size in (s for s in sizes if s in MEMORY_SIZES):
+                    for impl in ("textbook", "multiattn"):
+                        print(f"{backend}: peak memory {size} {impl} ...", file=sys.stderr, flush=True)
+                        results[backend]["memory"][f"{size}/{impl}"] = _run(
+                            python, "memory", backend, size, impl
+                        )
+        except RuntimeError as err:
+            results[backend] = {"error": str(err)}
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, Python {platform.python_version()}"
+    table = render(results, sizes)
+    header = (
+        f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine}; float32, one run.\n"
+        "Times are medians; memory is the growth of peak RSS during one call in a fresh process.\n"
+        "Allocator for the times: "
+        f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
+        "memory always with glibc defaults.\n"
+        "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
+        "call without weights (the framework's fused kernel where there is one).\n\n"
+    )
+    Path(args.out).write_text(header + table + "\n")
+    print(table)
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""NaN and inf, huge scores, empty dimensions: the same answer on every backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import multiattn
+
+from . import reference as ref
+
+RNG = np.random.default_rng(12)
+
+
+def _dot(bk, q, k, v, lens, dtype="float32"):
+    out = multiattn.dot_product_attention(*(bk.tensor(a, dtype) for a in (q, k, v)), bk.tensor(lens))
+    return np.asarray(bk.numpy(out), dtype=np.float64)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_at_masked_positions_never_reach_valid_outputs(bk, poison):
+    q, k, v = RNG.normal(size=(2, 3, 4)), RNG.normal(size=(2, 6, 4)), RNG.normal(size=(2, 6, 2))
+    lens = np.array([4, 0])
+    k_bad, v_bad = k.copy(), v.copy()
+    k_bad[0, 4:], v_bad[0, 4:] = poison, poison  # padding beyond the valid length
+    k_bad[1], v_bad[1] = poison, poison  # a fully masked batch element
+    got = _dot(bk, q, k_bad, v_bad, lens)
+    np.testing.assert_allclose(got[0], ref.dot_product_attention(q, k, v, lens)[0][0], rtol=1e-5, atol=1e-6)
+    assert (got[1] == 0).all()
+    X = RNG.normal(size=(2, 3, 6))
+    X[:, :, 4:] = poison
+    weights = np.asarray(
+        bk.numpy(multiattn.masked_softmax(bk.tensor(X, "float32"), bk.tensor(np.array([4, 2]))))
+    )
+    assert np.isfinite(weights).all() and (weights[:, :, 4:] == 0).all()
+
+
+def test_nan_at_valid_positions_propagates_as_the_math_says(bk):
+    q, k, v = RNG.normal(size=(1, 2, 4)), RNG.normal(size=(1, 5, 4)), RNG.normal(size=(1, 5, 2))
+    q[0, 0, 0] = np.nan  # the first query's scores are all NaN: its output is NaN
+    got = _dot(bk, q, k, v, np.array([3]))
+    assert np.isnan(got[0, 0]).all()
+    np.testing.assert_allclose(
+        got[0, 1], ref.dot_product_attention(q, k, v, np.array([3]))[0][0, 1], rtol=1e-5
+    )
+
+
+@pytest.mark.parametrize("dtype, size", [("float32", 1e4), ("float16", 6e4)])
+def test_huge_scores_give_a_finite_correct_softmax(bk, dtype, size):
+    if dtype not in bk.dtypes:
+        pytest.xfail(f"{bk.name} has no {dtype}")
+    X = np.array([[[size, size / 2, -size, 0.0, size]]])
+    got = np.asarray(bk.numpy(multiattn.masked_softmax(bk.tensor(X, dtype), bk.tensor(np.array([4])))), float)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got[0, 0], [1, 0, 0, 0, 0], atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "B, Q, K, expected",
+    [(0, 2, 3, "empty"), (2, 0, 3, "empty"), (2, 3, 0, "zeros")],
+    ids=["batch0", "queries0", "keys0"],
+)
+def test_empty_dimensions(bk, B, Q, K, expected):
+    """Empty output of the right shape; no keys at all means every row is fully masked: zeros."""
+    q, k, v = np.ones((B, Q, 4)), np.ones((B, K, 4)), np.ones((B, K, 2))
+    for lens in (None, np.zeros(B, dtype="int64")):
+        tensors = [bk.tensor(a, "float32") for a in (q, k, v)]
+        out = bk.numpy(bk.call(bk.dot(), *tensors, None if lens is None else bk.tensor(lens)))
+        assert out.shape == (B, Q, 2)
+        if expected == "zeros":
+            assert (out == 0).all()
+        layer = bk.additive(4, 4, 3)
+        assert bk.numpy(bk.call(layer, *tensors, None if lens is None else bk.tensor(lens))).shape == (
+            B,
+            Q,
+            2,
+        )
+
+
+def test_valid_lens_of_a_complex_dtype_is_an_error(bk):
+    if bk.name in ("paddle", "mxnet", "mlx", "jax") and not _has_complex(bk):
+        pytest.xfail(f"{bk.name} cannot make a complex tensor from numpy here")
+    lens = bk.tensor(np.array([1 + 0j, 2 + 0j]))
+    with pytest.raises(ValueError, match="valid_lens must have an integer or float dtype, got .*complex"):
+        multiattn.masked_softmax(bk.tensor(np.ones((2, 3, 4)), "float32"), lens)
+
+
+def _has_complex(bk):
+    try:
+        bk.tensor(np.array([1 + 0j]))
+        return True
+    except Exception:
+        return False
