@@ -77,10 +77,13 @@ def test_torch_compile():
 
     from multiattn.backends import torch as m
 
-    layer = m.DotProductAttention().eval()
-    compiled = torch.compile(layer, backend="eager")
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
-    np.testing.assert_allclose(compiled(*args).numpy(), WANT_DOT, rtol=1e-10)
+    layer = m.AdditiveAttention(4, 4, 5).double().eval()
+    layer.set_weights(WEIGHTS)
+    compiled = torch.compile(layer)  # inductor: a real compilation on the CPU
+    np.testing.assert_allclose(compiled(*args).detach().numpy(), WANT_ADD, rtol=1e-10)
+    fast = torch.compile(m.DotProductAttention(need_weights=False).eval(), backend="aot_eager")
+    np.testing.assert_allclose(fast(*args).numpy(), WANT_DOT, rtol=1e-10)
 
 
 # --- tensorflow --------------------------------------------------------------------------
@@ -196,6 +199,21 @@ def test_jax_nnx_modules_jit_and_weights():
 
 
 @pytest.mark.backend("jax")
+def test_jax_sharded_batch_on_a_one_device_mesh():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    jax.config.update("jax_enable_x64", True)
+    mesh = Mesh(np.array(jax.devices()[:1]), ("batch",))
+    shard = NamedSharding(mesh, PartitionSpec("batch"))
+    args = [jax.device_put(jnp.asarray(x), shard) for x in (Q, K, V, LENS)]
+    out = jax.jit(multiattn.dot_product_attention)(*args)
+    np.testing.assert_allclose(np.asarray(out), WANT_DOT, rtol=1e-10)
+    assert out.sharding.mesh.shape == {"batch": 1}
+
+
+@pytest.mark.backend("jax")
 def test_jax_float64_without_x64_is_an_error_not_a_silent_float32():
     result = python(
         "import numpy as np, multiattn\nm = multiattn.get_backend('jax')\n"
@@ -229,6 +247,21 @@ def test_paddle_dygraph_train_eval_and_grads():
     layer(*args).sum().backward()
     assert all(p.grad is not None for p in layer.parameters())
     assert layer.W_q.weight.shape == [4, 5]  # paddle's (in, out); canonical is (5, 4)
+
+
+@pytest.mark.backend("paddle")
+def test_paddle_jit_to_static():
+    import paddle
+
+    from multiattn.backends import paddle as m
+
+    layer = m.AdditiveAttention(4, 4, 5)
+    layer.to(dtype="float64")
+    layer.set_weights(WEIGHTS)
+    layer.eval()
+    static = paddle.jit.to_static(layer, full_graph=True)
+    args = [paddle.to_tensor(x) for x in (Q, K, V)] + [paddle.to_tensor(LENS)]
+    np.testing.assert_allclose(static(*args).numpy(), WANT_ADD, rtol=1e-10)
 
 
 @pytest.mark.backend("paddle")

@@ -29,7 +29,7 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
-from .. import core  # noqa: E402
+from .. import _registry, core, functional, layers  # noqa: E402
 from .._registry import check_framework  # noqa: E402
 from ..core import per_row as _per_row  # noqa: E402
 from ..functional import bind
@@ -100,6 +100,10 @@ class PaddleOps:
 
 
 ops = PaddleOps()
+
+# paddle.jit.to_static would transcribe every function a layer calls, the framework-free
+# core included, and trips on its plain Python; those modules run as Python instead.
+paddle.jit.ignore_module([_registry, core, functional, layers])
 
 
 def _tensors(**tensors: Any) -> None:
