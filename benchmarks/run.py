@@ -170,9 +170,13 @@ STEADY_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 32), "MALLOC_TRIM_THRESHO
 ENV = dict(os.environ)
 
 
+# For memory the opposite: every block over 64 KiB is its own mapping, unmapped when freed, so
+# the growth of peak RSS is the peak of live memory (with glibc's defaults it varied 3x).
+EXACT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
+
+
 def _run(python: str, *args: str) -> object:
-    # memory is measured with the system allocator: raised thresholds would keep freed blocks
-    env = ENV if args[0] == "time" else dict(os.environ)
+    env = ENV if args[0] == "time" else {**os.environ, **EXACT_ALLOCATOR}
     proc = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -255,7 +259,7 @@ def main() -> int:
         "Times are medians; memory is the growth of peak RSS during one call in a fresh process.\n"
         "Allocator for the times: "
         f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
-        "memory always with glibc defaults.\n"
+        "for memory: every block its own mapping (see run.py).\n"
         "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
         "call without weights (the framework's fused kernel where there is one).\n\n"
     )
