@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import multiattn.check
+import multiattn.core
 from multiattn import cli
 from multiattn import reference as lib_reference
 from multiattn.backends import numpy as numpy_backend
@@ -116,3 +117,19 @@ def test_the_check_reference_matches_the_test_reference(function, mask):
     np.testing.assert_allclose(got["out"], want_out, rtol=1e-12, atol=1e-14)
     for name, grad in finite_differences(function, mask).items():
         np.testing.assert_allclose(got["grads"][name], grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_wrong_fast_path_fails_the_check(monkeypatch, capsys):
+    # a fused kernel that is 1% off: the no-weights path is compared with the reference too
+    def fused(queries, keys, values, mask, scale):
+        out, _ = multiattn.core.dot_product_attention(numpy_backend.ops, queries, keys, values)
+        return out * 1.01
+
+    monkeypatch.setattr(numpy_backend.NumpyOps, "fused_attention", staticmethod(fused), raising=False)
+    assert cli.main(["check", "--backends", "numpy", "--in-process"]) == 1
+    out = capsys.readouterr().out
+    assert all(
+        "FAIL" in line
+        for line in out.splitlines()
+        if line.startswith("numpy") and "dot_product float" in line
+    )

@@ -88,7 +88,7 @@ def _to_lists(value):
 
 def _to_arrays(case: dict) -> dict:
     out = dict(case)
-    for key in ("out", "weights"):
+    for key in ("out", "weights", "fast"):
         if key in out:
             out[key] = np.asarray(out[key], dtype=np.float64)
     if "grads" in out:

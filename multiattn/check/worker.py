@@ -57,6 +57,8 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     args = [tensors[a] for a in order]
     out, weights = run(*args)
     result: Dict[str, Any] = {"out": module.to_numpy(out), "weights": module.to_numpy(weights)}
+    if case.function == "dot_product":  # the no-weights fast path (fused kernels) must agree too
+        result["fast"] = module.to_numpy(module.dot_product_attention(*args, lens))
     if case.wants_grads and module.vjp is not None:
         cotangent = module.from_numpy(case.cotangent, case.dtype)
         _, grads = module.vjp(lambda *xs: run(*xs)[0], args, cotangent)
@@ -85,7 +87,7 @@ def save(results: Dict[str, Any], path: str) -> None:
     arrays, meta = {}, {"version": results["version"], "status": results["status"], "cases": {}}
     for case, result in results["cases"].items():
         meta["cases"][case] = {"status": result["status"], "grads": sorted(result.get("grads", {}))}
-        for key in ("out", "weights"):
+        for key in ("out", "weights", "fast"):
             if key in result:
                 arrays[f"{case}|{key}"] = result[key]
         for arg, grad in result.get("grads", {}).items():
@@ -99,7 +101,7 @@ def load(path: str) -> Dict[str, Any]:
         results = {"version": meta["version"], "status": meta["status"], "cases": {}}
         for case, info in meta["cases"].items():
             result: Dict[str, Any] = {"status": info["status"]}
-            for key in ("out", "weights"):
+            for key in ("out", "weights", "fast"):
                 if f"{case}|{key}" in data:
                     result[key] = data[f"{case}|{key}"]
             if info["grads"]:
