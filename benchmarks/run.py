@@ -252,7 +252,8 @@ def main() -> int:
                         )
         except RuntimeError as err:
             results[backend] = {"error": str(err)}
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}, Python {platform.python_version()}"
+    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
+    machine += f", Python {platform.python_version()}"
     table = render(results, sizes)
     header = (
         f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine}; float32, one run.\n"
