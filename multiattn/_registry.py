@@ -66,7 +66,7 @@ def get_backend(name: str) -> ModuleType:
         if (err.name or "multiattn").startswith("multiattn"):
             raise
         raise BackendImportError(
-            f"multiattn backend {name!r} needs the {err.name.split('.')[0]!r} package, which is not "
+            f"multiattn backend {name!r} needs the {(err.name or framework).split('.')[0]!r} package, which is not "
             f"installed; install it with: {install}"
         ) from err
     except BackendImportError:

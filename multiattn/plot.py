@@ -44,7 +44,7 @@ def show_heatmaps(
     if titles is not None and len(titles) != num_cols:
         raise ValueError(f"titles must have one entry per column ({num_cols}), got {len(titles)}")
     fig, axes = plt.subplots(num_rows, num_cols, figsize=figsize, sharex=True, sharey=True, squeeze=False)
-    image = None
+    image: Any = None
     for i in range(num_rows):
         for j in range(num_cols):
             ax = axes[i, j]

@@ -43,7 +43,7 @@ def masked_softmax_case(
     X: Array, valid_lens: Optional[Array] = None, cotangent: Optional[Array] = None
 ) -> dict:
     weights = masked_softmax(X, valid_lens)
-    result = {"out": weights, "weights": weights}
+    result: dict = {"out": weights, "weights": weights}
     if cotangent is not None:
         result["grads"] = {"X": _softmax_backward(weights, np.asarray(cotangent, np.float64))}
     return result
@@ -59,7 +59,7 @@ def dot_product_attention(
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
     scale = 1.0 / math.sqrt(q.shape[-1])
     weights = masked_softmax(np.einsum("bqd,bkd->bqk", q, k) * scale, valid_lens)
-    result = {"out": weights @ v, "weights": weights}
+    result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
         d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2))
@@ -85,7 +85,7 @@ def additive_attention(
     hidden_q, hidden_k = q @ W_q.T, k @ W_k.T  # (B, Q, h), (B, K, h)
     features = np.tanh(hidden_q[:, :, None, :] + hidden_k[:, None, :, :])  # (B, Q, K, h)
     weights = masked_softmax(features @ w_v, valid_lens)
-    result = {"out": weights @ v, "weights": weights}
+    result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
         d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2))  # (B, Q, K)
