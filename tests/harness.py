@@ -130,7 +130,7 @@ class TensorFlowHarness(Harness):
 class JaxHarness(Harness):
     def __init__(self, name: str) -> None:
         super().__init__(name)
-        importlib.import_module("jax").config.update("jax_enable_x64", True)  # for the float64 rows
+        self.module.enable_float64()  # for the float64 rows
 
     def additive(self, key_size, query_size, num_hiddens, dropout=0.0, dtype="float32", weights=None):
         param_dtype = getattr(importlib.import_module("jax.numpy"), dtype)

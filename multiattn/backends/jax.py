@@ -111,6 +111,11 @@ def vjp(fn, args, cotangent):
     return out, list(pullback(cotangent))
 
 
+def enable_float64() -> None:
+    """Turn on jax_enable_x64 (jax computes float64 only with it); before creating arrays."""
+    jax.config.update("jax_enable_x64", True)
+
+
 def from_numpy(array: Any, dtype: Optional[str] = None) -> jax.Array:
     """A jax array; float64 data needs jax_enable_x64 (an error, not a silent float32)."""
     array = np.asarray(array)
