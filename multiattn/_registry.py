@@ -66,8 +66,8 @@ def get_backend(name: str) -> ModuleType:
         if (err.name or "multiattn").startswith("multiattn"):
             raise
         raise BackendImportError(
-            f"multiattn backend {name!r} needs the {(err.name or framework).split('.')[0]!r} package, which is not "
-            f"installed; install it with: {install}"
+            f"multiattn backend {name!r} needs the {(err.name or framework).split('.')[0]!r} package, "
+            f"which is not installed; install it with: {install}"
         ) from err
     except BackendImportError:
         raise
@@ -127,7 +127,7 @@ def framework_of_call(**tensors: Any) -> str:
 def check_framework(expected: str, **tensors: Any) -> None:
     """Raise TypeError unless every non-None tensor belongs to ``expected``."""
     for arg, x in tensors.items():
-        if x is None:
+        if x is None or _framework_of_type.get(type(x)) == expected:  # the cheap common case
             continue
         name = framework_of(x)
         if name != expected:

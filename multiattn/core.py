@@ -72,18 +72,32 @@ def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
     _check_valid_lens(ops, valid_lens, shape[0], shape[1])
     if _is_empty(shape):
         return ops.zeros(shape, X)
-    return _masked_softmax(ops, X, ops.length_mask(X, valid_lens), owned=False)
+    return _masked_softmax(ops, X, valid_lens, owned=False)[0]
 
 
-def _masked_softmax(ops: Ops, X: Tensor, mask: Tensor, owned: bool) -> Tensor:
-    """The masked softmax once the arguments are checked; owned: X is the core's own scores."""
-    # where_owned may overwrite its argument (an adapter's in-place fast path); only for
-    # tensors the core made itself, never for the caller's X.
+def _masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """The masked softmax once the arguments are checked; owned: X is the core's own scores.
+    Returns the weights and the (B, 1|Q, K) mask (None where the adapter needed none).
+
+    A finite fill (not -inf) keeps fully masked rows and their gradients free of NaN;
+    the second fill makes masked weights exactly 0, not just tiny.
+    """
+    # The in-place primitives may overwrite their argument: only tensors the core made
+    # itself, never the caller's X.  fill_padding_ declines (False) when it is no faster.
+    fill_padding_ = getattr(ops, "fill_padding_", None)
+    if owned and fill_padding_ is not None and fill_padding_(X, valid_lens, ops.lowest(X)):
+        weights = ops.softmax(X)
+        # Every masked score is `lowest`, so a row's masked weights are all equal: already
+        # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
+        # masked rows, visible scores of -inf); uniform lets the adapter fill only those rows.
+        if fill_padding_(weights, valid_lens, 0.0, uniform=True):
+            return weights, None
+        mask = ops.length_mask(X, valid_lens)
+        return ops.where(mask, weights, 0.0), mask
+    mask = ops.length_mask(X, valid_lens)  # (B, 1|Q, K)
     where_owned = getattr(ops, "where_owned", ops.where)
-    # A finite fill (not -inf) keeps fully masked rows and their gradients free
-    # of NaN; the second where makes masked weights exactly 0, not just tiny.
     weights = ops.softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
-    return where_owned(mask, weights, 0.0)
+    return where_owned(mask, weights, 0.0), mask
 
 
 def _is_empty(shape: Shape) -> bool:
@@ -107,8 +121,35 @@ def check_attention_inputs(
     query_size: Any = None,
     key_size: Any = None,
     same_width: bool = False,
+) -> tuple[Shape, Shape, Shape]:
+    """The three shapes; ValueError naming the argument, the expected and the actual shape."""
+    q_shape, k_shape, v_shape = ops.shape(queries), ops.shape(keys), ops.shape(values)
+    # The common case in a few comparisons (toy sizes are dispatch bound); anything
+    # unusual (a mismatch, an unknown dimension, a size argument) takes the full check.
+    if (
+        len(q_shape) == len(k_shape) == len(v_shape) == 3
+        and q_shape[0] == k_shape[0] == v_shape[0] is not None
+        and k_shape[1] == v_shape[1] is not None
+        and (q_shape[2] == k_shape[2] != 0 if same_width else query_size is key_size is None)
+        and ops.dtype_kind(queries) == ops.dtype_kind(keys) == ops.dtype_kind(values) == "f"
+    ):
+        if valid_lens is not None:
+            _check_valid_lens(ops, valid_lens, q_shape[0], q_shape[1])
+        return q_shape, k_shape, v_shape
+    _check_attention_inputs(ops, queries, keys, values, valid_lens, query_size, key_size, same_width)
+    return q_shape, k_shape, v_shape
+
+
+def _check_attention_inputs(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor,
+    query_size: Any,
+    key_size: Any,
+    same_width: bool,
 ) -> None:
-    """ValueError naming the argument, the expected and the actual shape."""
     names = ("queries", "keys", "values")
     shapes = [ops.shape(t) for t in (queries, keys, values)]
     for arg, shape, rows in zip(names, shapes, ("queries", "keys", "keys")):
@@ -148,18 +189,24 @@ def attend(
     if valid_lens is None:
         weights = ops.softmax(scores)
     else:
-        mask = ops.length_mask(scores, valid_lens)  # (B, 1|Q, K)
-        weights = _masked_softmax(ops, scores, mask, owned=True)
-        values = _drop_unused_values(ops, values, mask)
+        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True)
+        values = _drop_unused_values(ops, values, valid_lens, mask)
     dropped = weights if dropout is None else dropout(weights)
     return ops.matmul(dropped, values), weights
 
 
-def _drop_unused_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:
+def _drop_unused_values(ops: Ops, values: Tensor, valid_lens: Tensor, mask: Optional[Tensor]) -> Tensor:
     """Zero the value rows no query may attend to (padding), so that a NaN or inf there
-    cannot reach the output through 0 * NaN in the matmul.  (B, K, v): a small pass."""
-    batch, n_keys = ops.shape(values)[:2]
-    if ops.shape(mask)[1] != 1:  # per-query lengths: a key is used if any query may see it
+    cannot reach the output through 0 * NaN in the matmul.  (B, K, v): a small pass.
+    mask: the (B, 1|Q, K) length mask, or None to make it here if needed."""
+    zero_padded_rows = getattr(ops, "zero_padded_rows", None)
+    dropped = None if zero_padded_rows is None else zero_padded_rows(values, valid_lens)
+    if dropped is not None:
+        return dropped
+    if mask is None:
+        mask = ops.length_mask(values, valid_lens, axis=1)
+    batch, rows, n_keys = ops.shape(mask)
+    if rows != 1:  # per-query lengths: a key is used if any query may see it
         mask = ops.any(mask, 1)
     return ops.where(ops.reshape(mask, (batch, n_keys, 1)), values, 0.0)
 
@@ -178,10 +225,10 @@ def dot_product_attention(
     With need_weights=False and no dropout, the framework's fused kernel runs
     where the adapter has one (``ops.fused_attention``), and the weights are None.
     """
-    check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
-    if _is_empty(ops.shape(queries)[:2] + ops.shape(keys)[1:2]):
+    q_shape, k_shape, _ = check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    (_, n_queries, d), n_keys = q_shape, k_shape[1]
+    if 0 in (q_shape[0], n_queries, n_keys):
         return _empty_attention(ops, queries, keys, values)
-    d, n_keys = ops.shape(queries)[-1], ops.shape(keys)[1]
     scale = 1.0 / math.sqrt(d)
     fused = getattr(ops, "fused_attention", None)
     if not need_weights and dropout is None and fused is not None:
@@ -191,13 +238,17 @@ def dot_product_attention(
             mask = ops.length_mask(keys, valid_lens, axis=1)  # (B, 1|Q, K)
             # the same guarantees as the unfused path: nothing from padding reaches an output
             # (kernels add the mask to NaN scores), and fully masked rows are 0, not uniform
-            keys, values = _drop_unused_values(ops, keys, mask), _drop_unused_values(ops, values, mask)
+            keys = _drop_unused_values(ops, keys, valid_lens, mask)
+            values = _drop_unused_values(ops, values, valid_lens, mask)
             out = fused(queries, keys, values, mask, scale)
             out = None if out is None else ops.where(mask[:, :, :1], out, 0.0)
         if out is not None:
             return out, None
+    scaled_matmul_t = getattr(ops, "scaled_matmul_t", None)
+    if scaled_matmul_t is not None:
+        scores = scaled_matmul_t(queries, keys, scale)
     # Scale the smaller operand: queries (B,Q,d) rather than the (B,Q,K) scores when d <= K.
-    if n_keys is not None and d is not None and d <= n_keys:
+    elif n_keys is not None and d is not None and d <= n_keys:
         scores = ops.matmul_t(queries * scale, keys)
     else:
         scores = ops.matmul_t(queries, keys) * scale

@@ -71,3 +71,18 @@ class Ops(Protocol):
     def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         """Optional: ``where`` for an x the core made itself, which may be filled in place
         (when autograd does not need it).  Adapters without a faster way omit it."""
+
+    def fill_padding_(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> bool:
+        """Optional: set the positions ``>= lens`` of x's last axis to ``fill`` in place and
+        return True, for an x the core made itself; return False (x untouched) where that
+        is not faster than a masked pass (the core then uses ``length_mask``).
+
+        lens is checked as for ``length_mask`` (lengths <= 0 mask the whole row, lengths
+        past the end mask nothing).  uniform: the caller guarantees that the padding of a
+        row holds one value, so a row whose padding already equals ``fill`` may be skipped.
+        Writes only the padding, so it pays where reading the lengths is free (host memory).
+        """
+
+    def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Tensor:
+        """Optional: a copy of values (B, K, v) with the rows ``>= lens`` zeroed, lens (B,)
+        as for ``length_mask``; None where the masked ``where`` is as fast (the core uses it)."""

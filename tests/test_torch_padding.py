@@ -1,0 +1,142 @@
+"""torch on CPU writes only the padding (one slice per sequence) at large sizes: the same
+answers as the masked path and the float64 reference, exactly 0 where masked, no NaN."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from . import reference as ref
+from .tolerances import tolerance
+
+pytestmark = pytest.mark.backend("torch")
+
+
+def _module():
+    from multiattn.backends import torch as m
+
+    return m
+
+
+@pytest.fixture
+def taken(monkeypatch):
+    """Every size takes the slice path; the list records what fill_padding_ answered."""
+    m = _module()
+    answers: list = []
+    real = m.TorchOps.fill_padding_
+
+    def spy(self, x, lens, fill, uniform=False):
+        answers.append(real(self, x, lens, fill, uniform))
+        return answers[-1]
+
+    monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
+    monkeypatch.setattr(m.TorchOps, "fill_padding_", spy)
+    return answers
+
+
+def _tensors(dtype, *arrays):
+    import torch
+
+    return [torch.tensor(a).to(getattr(torch, dtype)) for a in arrays]
+
+
+LENS = np.array([0, -2, 3, 7, 50])  # fully masked, negative, partial, the whole row, over-long
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
+@pytest.mark.parametrize("kind", ["dot", "additive"])
+def test_slices_match_the_reference(taken, kind, dtype):
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(11)
+    B, Q, K = len(LENS), 3, 7
+    q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 2))
+    weights = {"W_q": rng.normal(size=(5, 4)), "W_k": rng.normal(size=(5, 4)), "w_v": rng.normal(size=(5,))}
+    q, k, v = _tensors(dtype, q, k, v)
+    lens = torch.tensor(LENS)
+    rounded = [t.double().numpy() for t in (q, k, v)]
+    if kind == "dot":
+        out, got = m.dot_product_attention(q, k, v, lens, return_weights=True)
+        want_out, want = ref.dot_product_attention(*rounded, LENS)
+    else:
+        W = _tensors(dtype, weights["W_q"], weights["W_k"], weights["w_v"])
+        out, got = m.additive_attention(q, k, v, lens, W_q=W[0], W_k=W[1], w_v=W[2], return_weights=True)
+        want_out, want = ref.additive_attention(*rounded, LENS, *(w.double().numpy() for w in W))
+    assert taken and all(taken), "the slice path did not run"
+    got, out = got.double().numpy(), out.double().numpy()
+    tol = tolerance("torch", dtype)
+    np.testing.assert_allclose(got, want, atol=tol * 4)
+    np.testing.assert_allclose(out, want_out, atol=tol * 4 * max(1.0, np.abs(want_out).max()))
+    for b, n in enumerate(LENS):
+        assert np.all(got[b, :, max(n, 0) :] == 0.0)  # exactly, not tiny
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_slices_keep_padding_out_of_the_outputs(taken, poison):
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(12)
+    q, k, v = rng.normal(size=(3, 4, 4)), rng.normal(size=(3, 6, 4)), rng.normal(size=(3, 6, 3))
+    lens = np.array([2, 0, 5])
+    want_out, want = ref.dot_product_attention(q, k, v, lens)
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = poison, poison
+    out, got = m.dot_product_attention(*_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True)
+    assert taken and all(taken)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkeypatch):
+    # visible scores all -inf: every masked weight equals 1/#masked after the softmax,
+    # so the uniform shortcut must notice and zero them, as the masked path does
+    import torch
+
+    m = _module()
+    q = np.zeros((2, 2, 2))
+    q[:, 0, 0] = np.inf  # query 0 of each sequence: inf * (negative key) = -inf scores
+    q[:, 1] = 1.0
+    k = -np.abs(np.random.default_rng(13).normal(size=(2, 5, 2))) - 0.5
+    v = np.random.default_rng(14).normal(size=(2, 5, 3))
+    lens = torch.tensor([3, 5])
+    args = _tensors("float64", q, k, v) + [lens]
+    sliced = [t.numpy() for t in m.dot_product_attention(*args, return_weights=True)]
+    assert taken and all(taken)
+    monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 1 << 40)
+    masked = [t.numpy() for t in m.dot_product_attention(*args, return_weights=True)]
+    assert taken[-1] is False  # the second call took the masked path
+    for a, b in zip(sliced, masked):
+        np.testing.assert_array_equal(a, b)  # NaN in the same places, zeros in the same places
+    assert np.all(sliced[1][0, 0, 3:] == 0)
+
+
+def test_the_default_threshold_slices_at_benchmark_sizes_only():
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(15)
+    q, k, v = rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 3))
+    lens = np.array([100, 256])
+    scores = torch.zeros(2, 256, 256)
+    small = torch.zeros(2, 3, 5)
+    assert m.ops.fill_padding_(scores, torch.tensor(lens), -1.0) is True
+    assert m.ops.fill_padding_(small, torch.tensor(lens), -1.0) is False and (small == 0).all()
+    assert (scores[0, :, 100:] == -1).all() and (scores[0, :, :100] == 0).all() and (scores[1] == 0).all()
+    with torch.no_grad():
+        out = m.dot_product_attention(*_tensors("float32", q, k, v), torch.tensor(lens))
+    np.testing.assert_allclose(out.numpy(), ref.dot_product_attention(q, k, v, lens)[0], atol=1e-5)
+
+
+def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weights():
+    import torch
+
+    m = _module()
+    big = torch.zeros(2, 256, 256)
+    lens = torch.tensor([10, 300])
+    assert m.ops.fill_padding_(big.clone().requires_grad_(), lens, -1.0) is False  # softmax backward
+    assert m.ops.fill_padding_(big, lens.float(), -1.0) is False  # float lengths: mask path
+    assert m.ops.fill_padding_(big, lens[:, None].expand(2, 256), -1.0) is False  # per-query lengths
+    with torch.no_grad():
+        assert m.ops.fill_padding_(big.clone().requires_grad_(), lens, -1.0) is True
