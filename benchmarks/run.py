@@ -121,15 +121,23 @@ def time_backend(backend: str, sizes: list, min_time: float) -> dict:
     with _context(backend):
         for size in sizes:
             kind, args = _inputs(backend, size, module)
-            for name, fn in _functions(backend, module, kind).items():
+            fns = _functions(backend, module, kind)
+            for fn in fns.values():
                 for _ in range(2):  # warm-up (and jit compilation)
                     _sync(backend, fn(*args))
-                samples, start = [], time.perf_counter()
-                while len(samples) < 5 or (time.perf_counter() - start < min_time and len(samples) < 200):
+            # Round robin, one call of each implementation per round: a slow spell of the
+            # machine (a noisy neighbour on a shared VM) hits all of them alike, not just one.
+            samples: dict = {name: [] for name in fns}
+            start = time.perf_counter()
+            while len(samples["textbook"]) < 5 or (
+                time.perf_counter() - start < min_time * len(fns) and len(samples["textbook"]) < 200
+            ):
+                for name, fn in fns.items():
                     t0 = time.perf_counter()
                     _sync(backend, fn(*args))
-                    samples.append(time.perf_counter() - t0)
-                results["times"][f"{size}/{name}"] = statistics.median(samples)
+                    samples[name].append(time.perf_counter() - t0)
+            for name, times in samples.items():
+                results["times"][f"{size}/{name}"] = statistics.median(times)
     return results
 
 
@@ -257,7 +265,8 @@ def main() -> int:
     table = render(results, sizes)
     header = (
         f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine}; float32, one run.\n"
-        "Times are medians; memory is the growth of peak RSS during one call in a fresh process.\n"
+        "Times are medians of round-robin samples (one call of each implementation per round);\n"
+        "memory is the growth of peak RSS during one call in a fresh process.\n"
         "Allocator for the times: "
         f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
         "for memory: every block its own mapping (see run.py).\n"

@@ -258,6 +258,8 @@ def dot_product_attention(
 
 # Elements of one (B, Q, keys, h) block of additive features.  Scores are computed block by
 # block over the keys, so the extra memory stays a few MB instead of the whole (B, Q, K, h).
+# An adapter may set its own ``feature_block_elements`` (cache-sized blocks for an eager
+# CPU framework, bigger ones where each op has a high fixed cost).
 FEATURE_BLOCK_ELEMENTS = 1 << 20
 
 
@@ -267,9 +269,10 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
     n_keys = ops.shape(k_hidden)[1]
     q_hidden = ops.expand_dims(q_hidden, 2)
     per_key = (batch or 1) * (n_queries or 1) * (hiddens or 1)
-    if n_keys is None or n_keys * per_key <= FEATURE_BLOCK_ELEMENTS:
+    block = getattr(ops, "feature_block_elements", FEATURE_BLOCK_ELEMENTS)
+    if n_keys is None or n_keys * per_key <= block:
         return ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden, 1)), w_v)
-    step = max(1, FEATURE_BLOCK_ELEMENTS // per_key)
+    step = max(1, block // per_key)
     blocks = [
         ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden[:, start : start + step], 1)), w_v)
         for start in range(0, n_keys, step)

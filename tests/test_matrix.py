@@ -124,6 +124,7 @@ def test_additive_scores_in_blocks_equal_the_reference(bk, dtype, mask, monkeypa
     from multiattn import core
 
     monkeypatch.setattr(core, "FEATURE_BLOCK_ELEMENTS", 40)  # 3 x 2 x 6 = 36 per key: 1 key a block
+    monkeypatch.setattr(bk.module.ops, "feature_block_elements", 40, raising=False)  # adapters' own
     shape = (3, 2, 7, 4, 3, 2)
     q, k, v, lens, rng = inputs(bk, dtype, shape, mask, seed=5, additive=True)
     weights = {"W_q": rng.normal(size=(6, 4)), "W_k": rng.normal(size=(6, 3)), "w_v": rng.normal(size=(6,))}

@@ -52,6 +52,9 @@ _HALF = (tf.float16, tf.bfloat16)
 
 class TensorFlowOps:
     name = "tensorflow"
+    # additive features in 16 MB float32 blocks: each eager op has a high fixed cost, and at
+    # 4 MB blocks the additive benchmark took 1.6x the time (still a quarter of d2l's memory)
+    feature_block_elements = 1 << 22
 
     def shape(self, x):
         return tuple(x.shape)
