@@ -140,3 +140,24 @@ def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weight
     assert m.ops.fill_padding_(big, lens[:, None].expand(2, 256), -1.0) is False  # per-query lengths
     with torch.no_grad():
         assert m.ops.fill_padding_(big.clone().requires_grad_(), lens, -1.0) is True
+
+
+def test_torch_func_vmap_and_grad_at_slice_sizes():
+    # under vmap the lengths have no host data (the mask path runs); under grad, autograd does
+    import torch
+    from torch.func import grad, vmap
+
+    m = _module()
+    rng = np.random.default_rng(16)
+    q, k, v = (torch.tensor(rng.normal(size=s)) for s in [(2, 256, 8), (2, 256, 8), (2, 256, 3)])
+    lens = torch.tensor([100, 256])
+    want = ref.dot_product_attention(q.numpy(), k.numpy(), v.numpy(), lens.numpy())[0]
+
+    def one(q, k, v, n):
+        return m.dot_product_attention(q[None], k[None], v[None], n[None], return_weights=True)[0][0]
+
+    np.testing.assert_allclose(vmap(one)(q, k, v, lens).numpy(), want, rtol=1e-10, atol=1e-12)
+    loss = lambda q: m.dot_product_attention(q, k, v, lens, return_weights=True)[0].sum()  # noqa: E731
+    leaf = q.clone().requires_grad_()
+    loss(leaf).backward()
+    np.testing.assert_allclose(grad(loss)(q).numpy(), leaf.grad.numpy(), rtol=1e-10)
