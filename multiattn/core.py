@@ -273,10 +273,15 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
     if n_keys is None or n_keys * per_key <= block:
         return ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden, 1)), w_v)
     step = max(1, block // per_key)
-    blocks = [
-        ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden[:, start : start + step], 1)), w_v)
-        for start in range(0, n_keys, step)
-    ]
+    tanh_of_sum = getattr(ops, "tanh_of_sum", None)
+    blocks, features = [], None
+    for start in range(0, n_keys, step):
+        k_block = ops.expand_dims(k_hidden[:, start : start + step], 1)
+        if tanh_of_sum is None:
+            features = ops.tanh(q_hidden + k_block)
+        else:  # the previous block's features are dead: the adapter may reuse their memory
+            features = tanh_of_sum(q_hidden, k_block, features)
+        blocks.append(ops.matmul(features, w_v))
     return ops.concat(blocks, -1)
 
 

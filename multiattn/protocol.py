@@ -14,6 +14,11 @@ Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
 
 
 class Ops(Protocol):
+    """The required primitives, then optional fast paths (``scaled_matmul_t``,
+    ``tanh_of_sum``, ``fused_attention``, ``where_owned``, ``fill_padding_``, ``zero_padded_rows`` and the
+    attribute ``feature_block_elements``): the core uses an optional one when the adapter
+    has it and the same math from the required ones otherwise."""
+
     name: str  # backend name, as in the registry
 
     def shape(self, x: Tensor) -> Shape:
@@ -40,7 +45,16 @@ class Ops(Protocol):
     def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
         """Batched ``a @ b^T``, the transpose over b's last two axes."""
 
+    def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
+        """Optional: ``scale * (a @ b^T)`` for 3-D a and b, the scale applied inside the
+        product (e.g. a GEMM's alpha) rather than in a pass of its own."""
+
     def tanh(self, x: Tensor) -> Tensor: ...
+
+    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Tensor) -> Tensor:
+        """Optional: ``tanh(a + b)`` (broadcast).  dead is None or this method's result of the
+        previous call, no longer used by the core: the adapter may write the new result
+        into its memory (one cache-resident buffer for all additive blocks)."""
 
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""

@@ -1,5 +1,6 @@
-"""torch on CPU writes only the padding (one slice per sequence) at large sizes: the same
-answers as the masked path and the float64 reference, exactly 0 where masked, no NaN."""
+"""torch's fast paths against the float64 reference: on CPU at large sizes it writes only the
+padding (one slice per sequence), and under no_grad the additive blocks share one buffer.
+The same answers as the masked path, exactly 0 where masked, no NaN, gradients intact."""
 
 from __future__ import annotations
 
@@ -161,3 +162,69 @@ def test_torch_func_vmap_and_grad_at_slice_sizes():
     leaf = q.clone().requires_grad_()
     loss(leaf).backward()
     np.testing.assert_allclose(grad(loss)(q).numpy(), leaf.grad.numpy(), rtol=1e-10)
+
+
+def _additive_case(rng):
+    q, k, v = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 2))
+    W = [rng.normal(size=(5, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5,))]
+    return q, k, v, np.array([3, 0]), W
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    # 2 x 3 x 5 = 30 features per key: one key a block, the last block as small as the others
+    monkeypatch.setattr(_module().ops, "feature_block_elements", 30)
+
+
+def test_additive_blocks_sharing_a_buffer_under_no_grad(tiny_blocks):
+    import torch
+
+    m = _module()
+    q, k, v, lens, W = _additive_case(np.random.default_rng(17))
+    want_out, want = ref.additive_attention(q, k, v, lens, *W)
+    with torch.no_grad():
+        out, got = m.additive_attention(
+            *(torch.tensor(a) for a in (q, k, v, lens)),
+            **dict(zip(("W_q", "W_k", "w_v"), (torch.tensor(w) for w in W))),
+            return_weights=True,
+        )
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_additive_blocks_keep_what_the_backward_needs(tiny_blocks):
+    # w_v alone needs a gradient: the product with w_v keeps every block's features, so they
+    # must not share memory (an in-place reuse made this backward fail)
+    import torch
+
+    m = _module()
+    q, k, v, lens, W = _additive_case(np.random.default_rng(18))
+    G = np.random.default_rng(19).normal(size=(2, 3, 2))
+    w_v = torch.tensor(W[2], requires_grad=True)
+    out = m.additive_attention(
+        *(torch.tensor(a) for a in (q, k, v, lens)), W_q=torch.tensor(W[0]), W_k=torch.tensor(W[1]), w_v=w_v
+    )
+    (out * torch.tensor(G)).sum().backward()
+    step, want = 1e-6, np.zeros(5)
+    for i in range(5):
+        for sign in (1, -1):
+            shifted = W[2].copy()
+            shifted[i] += sign * step
+            want[i] += sign * np.sum(ref.additive_attention(q, k, v, lens, W[0], W[1], shifted)[0] * G)
+    np.testing.assert_allclose(w_v.grad.numpy(), want / (2 * step), rtol=1e-6, atol=1e-8)
+
+
+def test_additive_blocks_under_vmap_and_no_grad(tiny_blocks):
+    import torch
+    from torch.func import vmap
+
+    m = _module()
+    q, k, v, lens, W = _additive_case(np.random.default_rng(20))
+    Wt = [torch.tensor(w) for w in W]
+
+    def one(q, k, v, n):
+        return m.additive_attention(q[None], k[None], v[None], n[None], W_q=Wt[0], W_k=Wt[1], w_v=Wt[2])[0]
+
+    with torch.no_grad():
+        got = vmap(one)(*(torch.tensor(a) for a in (q, k, v, lens)))
+    np.testing.assert_allclose(got.numpy(), ref.additive_attention(q, k, v, lens, *W)[0], rtol=1e-12)
