@@ -97,10 +97,11 @@ class TorchOps:
         return torch.softmax(x, dim=-1)
 
     def length_mask(self, x, lens, axis=-1):
-        if lens.device != x.device:
-            lens = lens.to(x.device)
+        device = x.device
+        if lens.device != device:
+            lens = lens.to(device)
         per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
-        return _positions(x.shape[axis], x.device) < per_row
+        return _positions(x.shape[axis], device) < per_row
 
     def where(self, mask, x, fill):
         return torch.where(mask, x, _constant(fill, x))
@@ -113,7 +114,7 @@ class TorchOps:
         # (saves a (B, Q, K) allocation and a pass; softmax's backward needs its output).
         # Small x: one torch.where costs less than inverting the mask and filling.
         if (x.requires_grad and torch.is_grad_enabled()) or x.numel() < SMALL_ELEMENTS:
-            return self.where(mask, x, fill)
+            return torch.where(mask, x, _constant(fill, x))
         return x.masked_fill_(~mask, fill)  # 3-4x faster than torch.where(..., out=x) at (4, 2048, 2048)
 
     def fill_padding_(self, x, lens, fill, uniform=False):
