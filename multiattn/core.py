@@ -277,11 +277,11 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
     blocks, features = [], None
     for start in range(0, n_keys, step):
         k_block = ops.expand_dims(k_hidden[:, start : start + step], 1)
-        if tanh_of_sum is None:
-            features = ops.tanh(q_hidden + k_block)
+        if tanh_of_sum is None:  # each block's features freed before the next is made
+            blocks.append(ops.matmul(ops.tanh(q_hidden + k_block), w_v))
         else:  # the previous block's features are dead: the adapter may reuse their memory
             features = tanh_of_sum(q_hidden, k_block, features)
-        blocks.append(ops.matmul(features, w_v))
+            blocks.append(ops.matmul(features, w_v))
     return ops.concat(blocks, -1)
 
 
