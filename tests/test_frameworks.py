@@ -171,6 +171,27 @@ def test_jax_jit_grad_vmap():
 
 
 @pytest.mark.backend("jax")
+def test_jax_fused_kernel_only_off_the_cpu(monkeypatch):
+    # the matrix and the gradient tests force the kernel on; the default skips it on CPU
+    import jax
+    import jax.numpy as jnp
+
+    from multiattn.backends import jax as m
+
+    calls = []
+    kernel = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    q, k, v = (jnp.asarray(x, dtype=jnp.float32) for x in (Q, K, V[..., :2].repeat(2, -1)))
+    want = ref.dot_product_attention(np.asarray(q), np.asarray(k), np.asarray(v), LENS)[0]
+    for forced, runs in ((False, jax.default_backend() != "cpu"), (True, True)):
+        monkeypatch.setattr(m, "FUSED_ON_CPU", forced)
+        calls.clear()
+        out = m.dot_product_attention(q, k, v, jnp.asarray(LENS))
+        np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+        assert bool(calls) == runs
+
+
+@pytest.mark.backend("jax")
 def test_jax_nnx_modules_jit_and_weights():
     import jax
     import jax.numpy as jnp
