@@ -271,7 +271,7 @@ def main() -> int:
         f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
         "for memory: every block its own mapping (see run.py).\n"
         "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
-        "call without weights (the framework's fused kernel where there is one).\n\n"
+        "call without weights (the framework's fused kernel where the adapter uses one on this machine).\n\n"
     )
     Path(args.out).write_text(header + table + "\n")
     print(table)
