@@ -137,9 +137,10 @@ class TorchOps:
         lengths = _sliceable_lengths(values, lens)
         if lengths is None:
             return None
-        values = values.clone()
+        values, n_keys = values.clone(), values.shape[1]
         for row, length in enumerate(lengths):
-            values[row, max(length, 0) :].fill_(0.0)
+            if length < n_keys:
+                values[row, max(length, 0) :].fill_(0.0)
         return values
 
     def fused_attention(self, queries, keys, values, mask, scale):
