@@ -14,10 +14,9 @@ Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
 
 
 class Ops(Protocol):
-    """The required primitives, then optional fast paths (``scaled_matmul_t``,
-    ``tanh_of_sum``, ``fused_attention``, ``where_owned``, ``fill_padding_``, ``zero_padded_rows`` and the
-    attribute ``feature_block_elements``): the core uses an optional one when the adapter
-    has it and the same math from the required ones otherwise."""
+    """The primitives every adapter implements.  The optional fast paths are in
+    ``OptionalOps``: the core uses one when the adapter has it, else the same math
+    from these."""
 
     name: str  # backend name, as in the registry
 
@@ -45,16 +44,7 @@ class Ops(Protocol):
     def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
         """Batched ``a @ b^T``, the transpose over b's last two axes."""
 
-    def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
-        """Optional: ``scale * (a @ b^T)`` for 3-D a and b, the scale applied inside the
-        product (e.g. a GEMM's alpha) rather than in a pass of its own."""
-
     def tanh(self, x: Tensor) -> Tensor: ...
-
-    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Tensor) -> Tensor:
-        """Optional: ``tanh(a + b)`` (broadcast).  dead is None or this method's result of the
-        previous call, no longer used by the core: the adapter may write the new result
-        into its memory (one cache-resident buffer for all additive blocks)."""
 
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
@@ -66,28 +56,46 @@ class Ops(Protocol):
         any integer or float dtype; the comparison is in a dtype both sides share.
         """
 
-    def fused_attention(
-        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
-    ) -> Tensor:
-        """Optional: the framework's fused kernel for softmax(scale Q K^T, masked) V.
-
-        mask is None or boolean (B, 1|Q, K).  The core zeroes fully masked rows
-        and padding itself; the kernel may return None where it cannot take these
-        inputs.  Adapters without a fused kernel do not define it.
-        """
-
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         """``x`` where mask is true, the scalar ``fill`` elsewhere; never in place."""
 
     def lowest(self, x: Tensor) -> float:
         """The most negative finite value of x's dtype."""
 
+
+class OptionalOps(Protocol):
+    """Fast paths an adapter may offer, any subset (the core looks each up with getattr).
+    Each must give what the required primitives would, within the dtype's rounding."""
+
+    # Elements of one (B, Q, keys, h) block of additive features (core.FEATURE_BLOCK_ELEMENTS
+    # when absent): cache-sized for an eager CPU framework, larger where ops cost more.
+    feature_block_elements: int
+
+    def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
+        """``scale * (a @ b^T)`` for 3-D a and b, the scale applied inside the
+        product (e.g. a GEMM's alpha) rather than in a pass of its own."""
+
+    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Tensor) -> Tensor:
+        """``tanh(a + b)`` (broadcast).  dead is None or this method's result of the
+        previous call, no longer used by the core: the adapter may write the new result
+        into its memory (one cache-resident buffer for all additive blocks)."""
+
+    def fused_attention(
+        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
+    ) -> Tensor:
+        """The framework's fused kernel for softmax(scale Q K^T, masked) V.
+
+        mask is None or boolean (B, 1|Q, K).  The core zeroes fully masked rows
+        and padding itself; the kernel may return None where it cannot take these
+        inputs.  Adapters without a fused kernel do not define it.
+        """
+
     def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
-        """Optional: ``where`` for an x the core made itself, which may be filled in place
+        """``where`` for an x the core made itself, which may be filled in place
         (when autograd does not need it).  Adapters without a faster way omit it."""
 
     def fill_padding_(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> bool:
-        """Optional: set the positions ``>= lens`` of x's last axis to ``fill`` in place and
+        """set the positions ``>= lens`` of x's last axis to ``fill`` in place and
         return True, for an x the core made itself; return False (x untouched) where that
         is not faster than a masked pass (the core then uses ``length_mask``).
 
@@ -98,5 +106,5 @@ class Ops(Protocol):
         """
 
     def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Tensor:
-        """Optional: a copy of values (B, K, v) with the rows ``>= lens`` zeroed, lens (B,)
+        """a copy of values (B, K, v) with the rows ``>= lens`` zeroed, lens (B,)
         as for ``length_mask``; None where the masked ``where`` is as fast (the core uses it)."""

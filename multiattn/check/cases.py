@@ -38,8 +38,8 @@ def round_to(array: np.ndarray, dtype: str) -> np.ndarray:
     """The float64 values of ``array`` rounded to ``dtype`` (round to nearest even)."""
     if dtype == "bfloat16":
         bits = np.asarray(array, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.astype(np.uint32).view(np.float32).astype(np.float64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return rounded.astype(np.uint32).view(np.float32).astype(np.float64)
     return np.asarray(array).astype(dtype).astype(np.float64)
 
 

@@ -31,7 +31,7 @@ class Row:
     def worst_cross(self) -> str:
         if not self.cross:
             return "-"
-        other = max(self.cross, key=self.cross.get)
+        other = max(self.cross, key=lambda name: self.cross[name])
         return f"{self.cross[other]:.1e} ({other})"
 
 

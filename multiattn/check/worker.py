@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import traceback
-from typing import Any, Dict
+from typing import Any, Callable, Dict
 
 import numpy as np
 
@@ -27,6 +27,7 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     tensors = {arg: module.from_numpy(value, case.dtype) for arg, value in case.inputs.items()}
     lens = None if case.valid_lens is None else module.from_numpy(case.valid_lens)
 
+    run: Callable[..., Any]
     if case.function == "masked_softmax":
         order = ["X"]
 
