@@ -90,14 +90,16 @@ def test_slices_keep_padding_out_of_the_outputs(taken, poison):
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
 
 
-def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkeypatch):
+@pytest.mark.parametrize("poison", [np.inf, np.nan])
+def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkeypatch, poison):
     # visible scores all -inf: every masked weight equals 1/#masked after the softmax,
-    # so the uniform shortcut must notice and zero them, as the masked path does
+    # so the uniform shortcut must notice and zero them, as the masked path does;
+    # a NaN query: NaN where the math says, exact zeros in the padding, on both paths
     import torch
 
     m = _module()
     q = np.zeros((2, 2, 2))
-    q[:, 0, 0] = np.inf  # query 0 of each sequence: inf * (negative key) = -inf scores
+    q[:, 0, 0] = poison  # query 0 of each sequence: inf * (negative key) = -inf scores
     q[:, 1] = 1.0
     k = -np.abs(np.random.default_rng(13).normal(size=(2, 5, 2))) - 0.5
     v = np.random.default_rng(14).normal(size=(2, 5, 3))
@@ -111,6 +113,7 @@ def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkey
     for a, b in zip(sliced, masked):
         np.testing.assert_array_equal(a, b)  # NaN in the same places, zeros in the same places
     assert np.all(sliced[1][0, 0, 3:] == 0)
+    assert np.isnan(sliced[1][0, 0, :3]).all() == np.isnan(poison)
 
 
 def test_the_default_threshold_slices_at_benchmark_sizes_only():
