@@ -100,6 +100,17 @@ def _masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool) -> tup
     return where_owned(mask, weights, 0.0), mask
 
 
+def _at_least(shape: Shape, elements: int) -> bool:
+    """Whether a tensor of this shape has at least ``elements`` elements (unknown
+    dimensions, as in a symbolic graph, count as large)."""
+    total = 1
+    for size in shape:
+        if size is None:
+            return True
+        total *= size
+    return total >= elements
+
+
 def _is_empty(shape: Shape) -> bool:
     return 0 in shape
 
@@ -231,7 +242,12 @@ def dot_product_attention(
         return _empty_attention(ops, queries, keys, values)
     scale = 1.0 / math.sqrt(d)
     fused = getattr(ops, "fused_attention", None)
-    if not need_weights and dropout is None and fused is not None:
+    if (
+        not need_weights
+        and dropout is None
+        and fused is not None
+        and _at_least((q_shape[0], n_queries, n_keys), getattr(ops, "fused_min_scores", 0))
+    ):
         if valid_lens is None:
             out = fused(queries, keys, values, None, scale)
         else:

@@ -71,6 +71,10 @@ class OptionalOps(Protocol):
     # when absent): cache-sized for an eager CPU framework, larger where ops cost more.
     feature_block_elements: int
 
+    # Fewest scores (batch * queries * keys) for which ``fused_attention`` is worth its
+    # fixed cost (0 when absent): below it the core runs the unfused math.
+    fused_min_scores: int
+
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
         """``scale * (a @ b^T)`` for 3-D a and b, the scale applied inside the
         product (e.g. a GEMM's alpha) rather than in a pass of its own."""

@@ -72,10 +72,12 @@ def test_torch_modules_train_eval_and_autograd():
 
 
 @pytest.mark.backend("torch")
-def test_torch_compile():
+def test_torch_compile(monkeypatch):
     import torch
 
     from multiattn.backends import torch as m
+
+    monkeypatch.setattr(m.ops, "fused_min_scores", 0)  # SDPA under compile, even this small
 
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
     layer = m.AdditiveAttention(4, 4, 5).double().eval()
@@ -84,6 +86,24 @@ def test_torch_compile():
     np.testing.assert_allclose(compiled(*args).detach().numpy(), WANT_ADD, rtol=1e-10)
     fast = torch.compile(m.DotProductAttention(need_weights=False).eval(), backend="aot_eager")
     np.testing.assert_allclose(fast(*args).numpy(), WANT_DOT, rtol=1e-10)
+
+
+@pytest.mark.backend("torch")
+def test_torch_sdpa_only_above_its_size_threshold(monkeypatch):
+    import torch
+    from torch.nn import functional as F
+
+    from multiattn.backends import torch as m
+
+    calls = []
+    kernel = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
+    for threshold, runs in ((m.ops.fused_min_scores, False), (Q.shape[0] * Q.shape[1] * K.shape[1], True)):
+        monkeypatch.setattr(m.ops, "fused_min_scores", threshold)
+        calls.clear()
+        np.testing.assert_allclose(m.dot_product_attention(*args).numpy(), WANT_DOT, rtol=1e-10)
+        assert bool(calls) == runs
 
 
 # --- tensorflow --------------------------------------------------------------------------
