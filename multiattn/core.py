@@ -83,15 +83,19 @@ def _masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool) -> tup
     the second fill makes masked weights exactly 0, not just tiny.
     """
     # The in-place primitives may overwrite their argument: only tensors the core made
-    # itself, never the caller's X.  fill_padding_ declines (False) when it is no faster.
-    fill_padding_ = getattr(ops, "fill_padding_", None)
-    if owned and fill_padding_ is not None and fill_padding_(X, valid_lens, ops.lowest(X)):
-        weights = ops.softmax(X)
+    # itself, never the caller's X.  fill_padding declines (None) when it is no faster.
+    fill_padding = getattr(ops, "fill_padding", None)
+    if not (owned or getattr(ops, "fill_padding_copies", False)):
+        fill_padding = None
+    filled = None if fill_padding is None else fill_padding(X, valid_lens, ops.lowest(X))
+    if filled is not None:
+        weights = ops.softmax(filled)
         # Every masked score is `lowest`, so a row's masked weights are all equal: already
         # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
         # masked rows, visible scores of -inf); uniform lets the adapter fill only those rows.
-        if fill_padding_(weights, valid_lens, 0.0, uniform=True):
-            return weights, None
+        exact = fill_padding(weights, valid_lens, 0.0, uniform=True)
+        if exact is not None:
+            return exact, None
         mask = ops.length_mask(X, valid_lens)
         return ops.where(mask, weights, 0.0), mask
     mask = ops.length_mask(X, valid_lens)  # (B, 1|Q, K)

@@ -7,7 +7,7 @@ They are primitives, not attention: the scoring math lives once, in
 
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence, Tuple
+from typing import Any, Optional, Protocol, Sequence, Tuple
 
 Tensor = Any
 Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
@@ -98,17 +98,23 @@ class OptionalOps(Protocol):
         """``where`` for an x the core made itself, which may be filled in place
         (when autograd does not need it).  Adapters without a faster way omit it."""
 
-    def fill_padding_(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> bool:
-        """set the positions ``>= lens`` of x's last axis to ``fill`` in place and
-        return True, for an x the core made itself; return False (x untouched) where that
-        is not faster than a masked pass (the core then uses ``length_mask``).
+    def fill_padding(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> Optional[Tensor]:
+        """x with the positions ``>= lens`` of its last axis set to ``fill``, for an x the
+        core made itself (the adapter may write into x and return it); None where that is
+        not faster than a masked pass (the core then uses ``length_mask`` and ``where``).
 
         lens is checked as for ``length_mask`` (lengths <= 0 mask the whole row, lengths
         past the end mask nothing).  uniform: the caller guarantees that the padding of a
         row holds one value, so a row whose padding already equals ``fill`` may be skipped.
-        Writes only the padding, so it pays where reading the lengths is free (host memory).
+        Pays where writing only the padding beats a masked pass: host lengths (torch on
+        CPU), or a framework whose ``where`` is slow next to its own sequence mask (mxnet).
         """
 
-    def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Tensor:
-        """a copy of values (B, K, v) with the rows ``>= lens`` zeroed, lens (B,)
-        as for ``length_mask``; None where the masked ``where`` is as fast (the core uses it)."""
+    # True where fill_padding never writes into x (returns a new tensor): the core may
+    # then use it on the caller's tensors too, not only on its own.
+    fill_padding_copies: bool
+
+    def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Optional[Tensor]:
+        """values (B, K, v) with the rows ``>= lens`` zeroed (a new tensor, or values itself
+        where no row is padding), lens as for ``length_mask`` (per-query lengths: a row
+        is kept if any query may see it); None where the masked ``where`` is as fast."""

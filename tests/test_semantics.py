@@ -80,6 +80,18 @@ def test_any_integer_or_float_length_dtype(bk, lens_dtype):
     np.testing.assert_allclose(got, ref.masked_softmax(X_NP, lens), **f64(bk))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("lens", [[2.5, 0.5], [-0.5, 9.1], [[2.5, 0.5, 7.2], [-0.5, 4.0, 1.0]]])
+def test_fractional_negative_and_long_float_lengths(bk, dtype, lens):
+    # positions j < length are visible; the dtypes where adapters take their fast paths too
+    lens = np.array(lens)
+    weights = multiattn.masked_softmax(bk.tensor(X_NP, dtype), bk.tensor(lens.astype("float32")))
+    assert_close(bk, weights, ref.masked_softmax(X_NP, lens), dtype)
+    got = np.asarray(bk.numpy(weights))
+    counts = np.clip(np.ceil(lens), 0, 5).astype(int)
+    assert (np.count_nonzero(got, axis=-1) == (counts[:, None] if counts.ndim == 1 else counts)).all()
+
+
 def test_float_lengths_compare_like_d2l(bk):
     # arange(K) < 2.5 keeps positions 0, 1, 2
     got = bk.numpy(multiattn.masked_softmax(bk.tensor(X_NP, "float64"), bk.tensor(np.array([2.5, 0.5]))))

@@ -21,17 +21,18 @@ def _module():
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Every size takes the slice path; the list records what fill_padding_ answered."""
+    """Every size takes the slice path; the list records what fill_padding answered."""
     m = _module()
     answers: list = []
-    real = m.TorchOps.fill_padding_
+    real = m.TorchOps.fill_padding
 
     def spy(self, x, lens, fill, uniform=False):
-        answers.append(real(self, x, lens, fill, uniform))
-        return answers[-1]
+        result = real(self, x, lens, fill, uniform)
+        answers.append(result is not None)
+        return result
 
     monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
-    monkeypatch.setattr(m.TorchOps, "fill_padding_", spy)
+    monkeypatch.setattr(m.TorchOps, "fill_padding", spy)
     return answers
 
 
@@ -125,8 +126,8 @@ def test_the_default_threshold_slices_at_benchmark_sizes_only():
     lens = np.array([100, 256])
     scores = torch.zeros(2, 256, 256)
     small = torch.zeros(2, 3, 5)
-    assert m.ops.fill_padding_(scores, torch.tensor(lens), -1.0) is True
-    assert m.ops.fill_padding_(small, torch.tensor(lens), -1.0) is False and (small == 0).all()
+    assert m.ops.fill_padding(scores, torch.tensor(lens), -1.0) is not None
+    assert m.ops.fill_padding(small, torch.tensor(lens), -1.0) is None and (small == 0).all()
     assert (scores[0, :, 100:] == -1).all() and (scores[0, :, :100] == 0).all() and (scores[1] == 0).all()
     with torch.no_grad():
         out = m.dot_product_attention(*_tensors("float32", q, k, v), torch.tensor(lens))
@@ -139,11 +140,11 @@ def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weight
     m = _module()
     big = torch.zeros(2, 256, 256)
     lens = torch.tensor([10, 300])
-    assert m.ops.fill_padding_(big.clone().requires_grad_(), lens, -1.0) is False  # softmax backward
-    assert m.ops.fill_padding_(big, lens.float(), -1.0) is False  # float lengths: mask path
-    assert m.ops.fill_padding_(big, lens[:, None].expand(2, 256), -1.0) is False  # per-query lengths
+    assert m.ops.fill_padding(big.clone().requires_grad_(), lens, -1.0) is None  # softmax backward
+    assert m.ops.fill_padding(big, lens.float(), -1.0) is None  # float lengths: mask path
+    assert m.ops.fill_padding(big, lens[:, None].expand(2, 256), -1.0) is None  # per-query lengths
     with torch.no_grad():
-        assert m.ops.fill_padding_(big.clone().requires_grad_(), lens, -1.0) is True
+        assert m.ops.fill_padding(big.clone().requires_grad_(), lens, -1.0) is not None
 
 
 def test_torch_func_vmap_and_grad_at_slice_sizes():
