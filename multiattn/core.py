@@ -75,25 +75,24 @@ def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
     return _masked_softmax(ops, X, valid_lens, owned=False)[0]
 
 
-def _masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool) -> tuple[Tensor, Optional[Tensor]]:
+def _masked_softmax(
+    ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool, lengths: Optional[list] = None
+) -> tuple[Tensor, Optional[Tensor]]:
     """The masked softmax once the arguments are checked; owned: X is the core's own scores.
-    Returns the weights and the (B, 1|Q, K) mask (None where the adapter needed none).
+    lengths: the visible counts in host memory (``_host_lengths``), or None.
+    Returns the weights and the (B, 1|Q, K) mask (None where no mask was needed).
 
     A finite fill (not -inf) keeps fully masked rows and their gradients free of NaN;
     the second fill makes masked weights exactly 0, not just tiny.
     """
-    # The in-place primitives may overwrite their argument: only tensors the core made
-    # itself, never the caller's X.  fill_padding declines (None) when it is no faster.
-    fill_padding = getattr(ops, "fill_padding", None)
-    if not (owned or getattr(ops, "fill_padding_copies", False)):
-        fill_padding = None
-    filled = None if fill_padding is None else fill_padding(X, valid_lens, ops.lowest(X))
+    fill = _padding_filler(ops, valid_lens, owned, lengths)
+    filled = None if fill is None else fill(X, ops.lowest(X))
     if filled is not None:
         weights = ops.softmax(filled)
         # Every masked score is `lowest`, so a row's masked weights are all equal: already
         # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
-        # masked rows, visible scores of -inf); uniform lets the adapter fill only those rows.
-        exact = fill_padding(weights, valid_lens, 0.0, uniform=True)
+        # masked rows, visible scores of -inf); uniform lets the filler skip the others.
+        exact = fill(weights, 0.0, True)
         if exact is not None:
             return exact, None
         mask = ops.length_mask(X, valid_lens)
@@ -102,6 +101,57 @@ def _masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool) -> tup
     where_owned = getattr(ops, "where_owned", ops.where)
     weights = ops.softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
     return where_owned(mask, weights, 0.0), mask
+
+
+def _padding_filler(ops: Ops, valid_lens: Tensor, owned: bool, lengths: Optional[list]) -> Any:
+    """A function (x, fill, uniform=False) giving x with its padding set to fill (or None,
+    declined), or None where the masked ``where`` is the way: the adapter's own kernel
+    (``fill_padding``), else slices over host lengths.  Slices write into x, so only into
+    the core's own tensors, never the caller's."""
+    fill_padding = getattr(ops, "fill_padding", None)
+    if fill_padding is not None and (owned or getattr(ops, "fill_padding_copies", False)):
+        return lambda x, fill, uniform=False: fill_padding(x, valid_lens, fill, uniform)
+    if owned and lengths is not None:
+        return lambda x, fill, uniform=False: _fill_slices(ops, x, lengths, fill, uniform)
+    return None
+
+
+def _host_lengths(ops: Ops, x: Tensor, valid_lens: Tensor, n_keys: int) -> Optional[list]:
+    """How many keys each sequence sees, as Python ints, where the adapter reads the
+    lengths for free and lets x be written slice by slice (``ops.host_lengths``); else None.
+    Clipped to [0, n_keys]; a fractional length counts the positions j < length (ceil);
+    NaN sees nothing (j < NaN is false), as in ``length_mask``."""
+    host_lengths = getattr(ops, "host_lengths", None)
+    raw = None if host_lengths is None else host_lengths(x, valid_lens)
+    if raw is None:
+        return None
+    return [0 if not n > 0 else n_keys if n >= n_keys else math.ceil(n) for n in raw]
+
+
+def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
+    """x (B, Q, K) with x[b, :, lengths[b]:] = fill, written in place, one slice per sequence
+    (no pass over the visible scores).  uniform: each row's padding holds one value, so a
+    sequence whose last column (its padding) already equals fill everywhere is skipped."""
+    n_keys = ops.shape(x)[-1]
+    if uniform:
+        done = (x[:, :, -1] == fill).all(1).tolist()
+        lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
+    for row, n in enumerate(lengths):
+        if n < n_keys:
+            x[row, :, n:] = fill
+    return x
+
+
+def _zero_rows(ops: Ops, values: Tensor, lengths: list) -> Tensor:
+    """values (B, K, v) with the rows >= lengths[b] zeroed: a copy and a slice per sequence."""
+    n_keys = ops.shape(values)[1]
+    if all(n >= n_keys for n in lengths):
+        return values
+    values = ops.copy(values)
+    for row, n in enumerate(lengths):
+        if n < n_keys:
+            values[row, n:] = 0.0
+    return values
 
 
 def _at_least(shape: Shape, elements: int) -> bool:
@@ -204,20 +254,26 @@ def attend(
     if valid_lens is None:
         weights = ops.softmax(scores)
     else:
-        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True)
-        values = _drop_unused_values(ops, values, valid_lens, mask)
+        lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
+        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True, lengths=lengths)
+        values = _drop_unused_values(ops, values, valid_lens, mask, lengths)
     dropped = weights if dropout is None else dropout(weights)
     return ops.matmul(dropped, values), weights
 
 
-def _drop_unused_values(ops: Ops, values: Tensor, valid_lens: Tensor, mask: Optional[Tensor]) -> Tensor:
+def _drop_unused_values(
+    ops: Ops, values: Tensor, valid_lens: Tensor, mask: Optional[Tensor], lengths: Optional[list]
+) -> Tensor:
     """Zero the value rows no query may attend to (padding), so that a NaN or inf there
     cannot reach the output through 0 * NaN in the matmul.  (B, K, v): a small pass.
-    mask: the (B, 1|Q, K) length mask, or None to make it here if needed."""
+    mask: the (B, 1|Q, K) length mask, or None to make it here if needed; lengths: the
+    host lengths (``_host_lengths``) or None."""
     zero_padded_rows = getattr(ops, "zero_padded_rows", None)
     dropped = None if zero_padded_rows is None else zero_padded_rows(values, valid_lens)
     if dropped is not None:
         return dropped
+    if lengths is not None:
+        return _zero_rows(ops, values, lengths)
     if mask is None:
         mask = ops.length_mask(values, valid_lens, axis=1)
     batch, rows, n_keys = ops.shape(mask)
@@ -258,8 +314,9 @@ def dot_product_attention(
             mask = ops.length_mask(keys, valid_lens, axis=1)  # (B, 1|Q, K)
             # the same guarantees as the unfused path: nothing from padding reaches an output
             # (kernels add the mask to NaN scores), and fully masked rows are 0, not uniform
-            keys = _drop_unused_values(ops, keys, valid_lens, mask)
-            values = _drop_unused_values(ops, values, valid_lens, mask)
+            lengths = _host_lengths(ops, keys, valid_lens, n_keys)
+            keys = _drop_unused_values(ops, keys, valid_lens, mask, lengths)
+            values = _drop_unused_values(ops, values, valid_lens, mask, lengths)
             out = fused(queries, keys, values, mask, scale)
             out = None if out is None else ops.where(mask[:, :, :1], out, 0.0)
         if out is not None:

@@ -98,16 +98,26 @@ class OptionalOps(Protocol):
         """``where`` for an x the core made itself, which may be filled in place
         (when autograd does not need it).  Adapters without a faster way omit it."""
 
+    def host_lengths(self, x: Tensor, lens: Tensor) -> Optional[list]:
+        """lens (B,) as a list of Python numbers where reading them costs nothing (host
+        memory) and the core may write x (B, ...) slice by slice: one slice per sequence
+        then beats a masked pass (the core clips, rounds and writes the slices).  None
+        otherwise: per-query lengths, a device, autograd tracking x, a tracing compiler,
+        or sizes where the masked pass is as fast.  Adapters with it also define ``copy``."""
+
+    def copy(self, x: Tensor) -> Tensor:
+        """A new tensor equal to x (the core then writes into it)."""
+
     def fill_padding(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> Optional[Tensor]:
         """x with the positions ``>= lens`` of its last axis set to ``fill``, for an x the
-        core made itself (the adapter may write into x and return it); None where that is
-        not faster than a masked pass (the core then uses ``length_mask`` and ``where``).
+        core made itself (the adapter may write into x and return it), by the framework's
+        own kernel; None where that is not faster than a masked pass (the core then uses
+        ``length_mask`` and ``where``).  For frameworks whose ``where`` is slow next to such
+        a kernel (mxnet's sequence mask); host lengths are the other way (``host_lengths``).
 
         lens is checked as for ``length_mask`` (lengths <= 0 mask the whole row, lengths
         past the end mask nothing).  uniform: the caller guarantees that the padding of a
         row holds one value, so a row whose padding already equals ``fill`` may be skipped.
-        Pays where writing only the padding beats a masked pass: host lengths (torch on
-        CPU), or a framework whose ``where`` is slow next to its own sequence mask (mxnet).
         """
 
     # True where fill_padding never writes into x (returns a new tensor): the core may

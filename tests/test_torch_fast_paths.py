@@ -21,18 +21,18 @@ def _module():
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Every size takes the slice path; the list records what fill_padding answered."""
+    """Every size takes the slice path; the list records whether host_lengths answered."""
     m = _module()
     answers: list = []
-    real = m.TorchOps.fill_padding
+    real = m.TorchOps.host_lengths
 
-    def spy(self, x, lens, fill, uniform=False):
-        result = real(self, x, lens, fill, uniform)
+    def spy(self, x, lens):
+        result = real(self, x, lens)
         answers.append(result is not None)
         return result
 
     monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
-    monkeypatch.setattr(m.TorchOps, "fill_padding", spy)
+    monkeypatch.setattr(m.TorchOps, "host_lengths", spy)
     return answers
 
 
@@ -124,11 +124,8 @@ def test_the_default_threshold_slices_at_benchmark_sizes_only():
     rng = np.random.default_rng(15)
     q, k, v = rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 3))
     lens = np.array([100, 256])
-    scores = torch.zeros(2, 256, 256)
-    small = torch.zeros(2, 3, 5)
-    assert m.ops.fill_padding(scores, torch.tensor(lens), -1.0) is not None
-    assert m.ops.fill_padding(small, torch.tensor(lens), -1.0) is None and (small == 0).all()
-    assert (scores[0, :, 100:] == -1).all() and (scores[0, :, :100] == 0).all() and (scores[1] == 0).all()
+    assert m.ops.host_lengths(torch.zeros(2, 256, 256), torch.tensor(lens)) == [100, 256]
+    assert m.ops.host_lengths(torch.zeros(2, 3, 5), torch.tensor(lens)) is None
     with torch.no_grad():
         out = m.dot_product_attention(*_tensors("float32", q, k, v), torch.tensor(lens))
     np.testing.assert_allclose(out.numpy(), ref.dot_product_attention(q, k, v, lens)[0], atol=1e-5)
@@ -140,11 +137,26 @@ def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weight
     m = _module()
     big = torch.zeros(2, 256, 256)
     lens = torch.tensor([10, 300])
-    assert m.ops.fill_padding(big.clone().requires_grad_(), lens, -1.0) is None  # softmax backward
-    assert m.ops.fill_padding(big, lens.float(), -1.0) is None  # float lengths: mask path
-    assert m.ops.fill_padding(big, lens[:, None].expand(2, 256), -1.0) is None  # per-query lengths
+    assert m.ops.host_lengths(big.clone().requires_grad_(), lens) is None  # softmax backward
+    assert m.ops.host_lengths(big, lens[:, None].expand(2, 256)) is None  # per-query lengths
     with torch.no_grad():
-        assert m.ops.fill_padding(big.clone().requires_grad_(), lens, -1.0) is not None
+        assert m.ops.host_lengths(big.clone().requires_grad_(), lens) == [10, 300]
+
+
+def test_float_lengths_on_the_slice_path_round_like_the_mask(taken):
+    # j < 2.5 keeps 0, 1, 2; NaN keeps nothing; huge and negative are clipped
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(21)
+    lens = np.array([2.5, np.nan, 1e30, -0.5, 0.2])
+    q, k, v = rng.normal(size=(5, 3, 4)), rng.normal(size=(5, 6, 4)), rng.normal(size=(5, 6, 2))
+    out, got = m.dot_product_attention(*_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True)
+    assert taken and all(taken)
+    want_out, want = ref.dot_product_attention(q, k, v, lens)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    assert [np.count_nonzero(got[b, 0]) for b in range(5)] == [3, 0, 6, 0, 1]
 
 
 def test_torch_func_vmap_and_grad_at_slice_sizes():

@@ -120,31 +120,13 @@ class TorchOps:
             return torch.where(mask, x, _constant(fill, x))
         return x.masked_fill_(~mask, fill)  # 3-4x faster than torch.where(..., out=x) at (4, 2048, 2048)
 
-    def fill_padding(self, x, lens, fill, uniform=False):
+    def host_lengths(self, x, lens):
         # On CPU the lengths are free to read, and writing only the padding (one slice per
         # sequence) beats a masked pass over every score: 0.13 vs 0.56 ms at (8, 512, 512).
-        lengths = _sliceable_lengths(x, lens)
-        if lengths is None:
-            return None
-        n_keys = x.shape[-1]
-        if uniform:  # one value per row: the last column (padding wherever there is any) tells
-            done = (x[:, :, -1] == fill).all(dim=1).tolist()
-            lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
-        for row, length in enumerate(lengths):
-            if length < n_keys:
-                x[row, :, max(length, 0) :].fill_(fill)
-        return x
+        return _sliceable_lengths(x, lens)
 
-    def zero_padded_rows(self, values, lens):
-        # The same trade for values (B, K, v): a contiguous copy and a few row slices.
-        lengths = _sliceable_lengths(values, lens)
-        if lengths is None:
-            return None
-        values, n_keys = values.clone(), values.shape[1]
-        for row, length in enumerate(lengths):
-            if length < n_keys:
-                values[row, max(length, 0) :].fill_(0.0)
-        return values
+    def copy(self, x):
+        return x.clone()
 
     def fused_attention(self, queries, keys, values, mask, scale):
         # A heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (2x faster at
@@ -165,14 +147,13 @@ SLICE_MIN_SEQUENCE_ELEMENTS = 1 << 15
 
 
 def _sliceable_lengths(x: torch.Tensor, lens: torch.Tensor) -> Optional[list]:
-    """The lengths as Python ints where x's padding may be written slice by slice: one
-    integer length per sequence, host memory, no autograd on x (softmax's backward needs its
+    """The lengths as Python numbers where x's padding may be written slice by slice: one
+    length per sequence, host memory, no autograd on x (softmax's backward needs its
     output), nothing tracing the lengths (compiled or traced graphs must not bake them in as
     constants); else None."""
     if not (
         x.numel() >= SLICE_MIN_SEQUENCE_ELEMENTS * x.shape[0]
         and lens.dim() == 1
-        and not lens.dtype.is_floating_point
         and x.device.type == "cpu"
         and lens.device.type == "cpu"
         and not (x.requires_grad and torch.is_grad_enabled())
