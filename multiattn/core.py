@@ -130,11 +130,13 @@ def _host_lengths(ops: Ops, x: Tensor, valid_lens: Tensor, n_keys: int) -> Optio
 
 def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
     """x (B, Q, K) with x[b, :, lengths[b]:] = fill, written in place, one slice per sequence
-    (no pass over the visible scores).  uniform: each row's padding holds one value, so a
-    sequence whose last column (its padding) already equals fill everywhere is skipped."""
+    (no pass over the visible scores).  uniform: x holds softmax weights (>= 0, or NaN)
+    with one value per row in the padding and fill is 0, so a sequence whose last column
+    (its padding) is already 0 everywhere is skipped."""
     n_keys = ops.shape(x)[-1]
     if uniform:
-        done = (x[:, :, -1] == fill).all(1).tolist()
+        # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
+        done = (x[:, :, -1] <= fill).all(1).tolist()
         lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
     for row, n in enumerate(lengths):
         if n < n_keys:

@@ -98,6 +98,24 @@ class PaddleOps:
     def lowest(self, x):
         return float(paddle.finfo(x.dtype).min)
 
+    def host_lengths(self, x, lens):
+        # paddle's `where` takes 13 ms at (8, 512, 512) on the CPU, writing only the padding
+        # (a slice per sequence) about 3.5 ms, and slices won at every size measured, the toy
+        # one too (0.23 vs 0.30 ms).  Not under autograd (softmax's backward needs its
+        # output as it was), not in a static graph (the lengths would be baked in).
+        if not (
+            len(lens.shape) == 1
+            and paddle.in_dynamic_mode()
+            and x.place.is_cpu_place()
+            and lens.place.is_cpu_place()
+            and (x.stop_gradient or not paddle.is_grad_enabled())
+        ):
+            return None
+        return lens.tolist()
+
+    def copy(self, x):
+        return x.clone()
+
 
 ops = PaddleOps()
 
