@@ -352,6 +352,14 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
     if n_keys is None or n_keys * per_key <= block:
         return ops.matmul(ops.tanh(q_hidden + ops.expand_dims(k_hidden, 1)), w_v)
     step = max(1, block // per_key)
+    map_key_blocks = getattr(ops, "map_key_blocks", None)
+    if map_key_blocks is not None:
+        score_block = lambda k_block: ops.matmul(  # noqa: E731
+            ops.tanh(q_hidden + ops.expand_dims(k_block, 1)), w_v
+        )
+        scores = map_key_blocks(score_block, k_hidden, step)
+        if scores is not None:
+            return scores
     tanh_of_sum = getattr(ops, "tanh_of_sum", None)
     blocks, features = [], None
     for start in range(0, n_keys, step):

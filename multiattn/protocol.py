@@ -84,6 +84,12 @@ class OptionalOps(Protocol):
         previous call, no longer used by the core: the adapter may write the new result
         into its memory (one cache-resident buffer for all additive blocks)."""
 
+    def map_key_blocks(self, score_block: Any, keys: Tensor, step: int) -> Optional[Tensor]:
+        """``concat([score_block(keys[:, i : i + step]) for i in range(0, K, step)], -1)``
+        for keys (B, K, h) and score_block (B, step, h) -> (B, Q, step), run so that only
+        one block's intermediates are alive at a time (e.g. a compiled loop); None where
+        the core's Python loop is the better way."""
+
     def fused_attention(
         self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
     ) -> Tensor:

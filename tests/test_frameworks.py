@@ -212,6 +212,41 @@ def test_jax_fused_kernel_only_off_the_cpu(monkeypatch):
 
 
 @pytest.mark.backend("jax")
+def test_jax_additive_blocks_under_jit_one_at_a_time(monkeypatch):
+    # under jit the key blocks run in lax.map: the reference's values and gradients, a last
+    # block shorter than the others, and XLA's temporary memory far below the features'
+    import jax
+    import jax.numpy as jnp
+
+    from multiattn.backends import jax as m
+
+    B, Q, K, h = 2, 16, 300, 32
+    monkeypatch.setattr(m.ops, "feature_block_elements", B * Q * h * 7, raising=False)  # 7 keys
+    rng = np.random.default_rng(22)
+    q, k, v = rng.normal(size=(B, Q, 3)), rng.normal(size=(B, K, 5)), rng.normal(size=(B, K, 2))
+    W = [rng.normal(size=(h, 3)) * 0.5, rng.normal(size=(h, 5)) * 0.5, rng.normal(size=(h,))]
+    lens = np.array([120, 300])
+    want = ref.additive_attention(q, k, v, lens, *W)[0]
+    args = [jnp.asarray(a, dtype=jnp.float32) for a in (q, k, v, *W)] + [jnp.asarray(lens)]
+
+    def forward(q, k, v, W_q, W_k, w_v, lens):
+        return m.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v)
+
+    def loss(*args):
+        return forward(*args).sum()
+
+    fn = jax.jit(forward)
+    np.testing.assert_allclose(np.asarray(fn(*args)), want, rtol=1e-5, atol=1e-5)
+    temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    assert temp < B * Q * K * h * 4 / 4, f"{temp} bytes of temporaries: the features were materialized"
+    blocked = jax.jit(jax.grad(loss, argnums=(0, 5)))(*args)
+    monkeypatch.setattr(m.ops, "feature_block_elements", B * Q * K * h)  # one block: no loop
+    whole = jax.grad(loss, argnums=(0, 5))(*args)
+    for a, b in zip(blocked, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.backend("jax")
 def test_jax_nnx_modules_jit_and_weights():
     import jax
     import jax.numpy as jnp

@@ -79,6 +79,21 @@ class JaxOps:
     def lowest(self, x):
         return float(jnp.finfo(x.dtype).min)
 
+    def map_key_blocks(self, score_block, keys, step):
+        # Under jit, the blocks of a Python loop are all alive at once (XLA kept 64 MB of
+        # features, as much as the textbook's whole tensor, and took 1.1x its time);
+        # lax.map runs one block after another in one buffer: about 0.35x the time and a
+        # tenth of the memory.  Eagerly, lax.map would compile its body on every call.
+        if not isinstance(keys, jax.core.Tracer):
+            return None
+        batch, n_keys, width = keys.shape
+        n_blocks = -(-n_keys // step)
+        padded = jnp.pad(keys, ((0, 0), (0, n_blocks * step - n_keys), (0, 0)))  # zero keys, cut below
+        blocks = jnp.moveaxis(padded.reshape(batch, n_blocks, step, width), 1, 0)
+        scores = jax.lax.map(score_block, blocks)  # (blocks, B, Q, step)
+        scores = jnp.moveaxis(scores, 0, 2)  # (B, Q, blocks, step)
+        return scores.reshape(batch, scores.shape[1], n_blocks * step)[:, :, :n_keys]
+
     def fused_attention(self, queries, keys, values, mask, scale):
         if not FUSED_ON_CPU and jax.default_backend() == "cpu":
             return None
