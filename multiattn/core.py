@@ -8,9 +8,9 @@ their framework's classes.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
-from .protocol import Ops, Shape, Tensor
+from .protocol import Ops, OptionalOps, Shape, Tensor
 
 Dropout = Optional[Callable[[Tensor], Tensor]]
 
@@ -149,7 +149,7 @@ def _zero_rows(ops: Ops, values: Tensor, lengths: list) -> Tensor:
     n_keys = ops.shape(values)[1]
     if all(n >= n_keys for n in lengths):
         return values
-    values = ops.copy(values)
+    values = cast(OptionalOps, ops).copy(values)  # adapters with host_lengths define copy
     for row, n in enumerate(lengths):
         if n < n_keys:
             values[row, n:] = 0.0
