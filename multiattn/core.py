@@ -361,6 +361,7 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
         if scores is not None:
             return scores
     tanh_of_sum = getattr(ops, "tanh_of_sum", None)
+    settle = getattr(ops, "settle", None)
     blocks, features = [], None
     for start in range(0, n_keys, step):
         k_block = ops.expand_dims(k_hidden[:, start : start + step], 1)
@@ -369,6 +370,8 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
         else:  # the previous block's features are dead: the adapter may reuse their memory
             features = tanh_of_sum(q_hidden, k_block, features)
             blocks.append(ops.matmul(features, w_v))
+        if settle is not None:  # a lazy framework computes this block now, freeing its features
+            settle(blocks[-1])
     return ops.concat(blocks, -1)
 
 

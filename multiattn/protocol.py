@@ -90,6 +90,11 @@ class OptionalOps(Protocol):
         one block's intermediates are alive at a time (e.g. a compiled loop); None where
         the core's Python loop is the better way."""
 
+    def settle(self, x: Tensor) -> None:
+        """Compute x now, in a lazy framework, so that what it was computed from can be
+        freed before the next additive block is built; do nothing where that is not
+        allowed (inside a compiled or vectorised function)."""
+
     def fused_attention(
         self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
     ) -> Tensor:

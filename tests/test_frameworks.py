@@ -387,6 +387,44 @@ def test_paddle_first_then_tensorflow_works():
 
 
 @pytest.mark.backend("mlx")
+def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch):
+    # eagerly each block's scores are evaluated as they are made (its features freed);
+    # mx.compile and mx.vmap refuse eval, so there the blocks stay lazy: the same values
+    # everywhere, and under mx.grad the gradients of the unblocked computation
+    import mlx.core as mx
+
+    from multiattn.backends import mlx as m
+
+    rng = np.random.default_rng(23)
+    q, k, v = rng.normal(size=(2, 3, 4)), rng.normal(size=(2, 7, 4)), rng.normal(size=(2, 7, 2))
+    W = [rng.normal(size=(5, 4)), rng.normal(size=(5, 4)), rng.normal(size=(5,))]
+    lens = np.array([4, 7])
+    want = ref.additive_attention(q, k, v, lens, *W)[0]
+    args = [mx.array(a.astype(np.float32)) for a in (q, k, v, *W)] + [mx.array(lens)]
+    evaluated = []
+    real_eval = mx.eval
+    monkeypatch.setattr(mx, "eval", lambda *a: (real_eval(*a), evaluated.append(1))[0])
+
+    def forward(q, k, v, W_q, W_k, w_v, lens):
+        return m.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v)
+
+    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 3 * 5 * 2, raising=False)  # 2 keys
+    for fn, blocks in ((forward, 4), (mx.compile(forward), 0)):
+        evaluated.clear()
+        np.testing.assert_allclose(np.array(fn(*args)), want, rtol=1e-5, atol=1e-5)
+        assert len(evaluated) == blocks
+    batched = mx.vmap(
+        lambda *a: forward(*(x[None] for x in a[:3]), *a[3:6], a[6][None])[0],
+        in_axes=(0, 0, 0, None, None, None, 0),
+    )(*args)
+    np.testing.assert_allclose(np.array(batched), want, rtol=1e-5, atol=1e-5)
+    grad = mx.grad(lambda *a: forward(*a).sum(), argnums=5)
+    blocked = grad(*args)
+    monkeypatch.setattr(m.ops, "feature_block_elements", 10**9)
+    np.testing.assert_allclose(np.array(blocked), np.array(grad(*args)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.backend("mlx")
 def test_mlx_modules_lazy_eval_and_value_and_grad():
     import mlx.core as mx
     import mlx.nn as nn

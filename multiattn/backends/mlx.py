@@ -75,6 +75,15 @@ class MlxOps:
     def lowest(self, x):
         return float(mx.finfo(x.dtype).min)
 
+    def settle(self, x):
+        # mlx is lazy: without this, one graph holds every additive block's features at
+        # once (0.99x the textbook's memory).  mx.eval is refused inside mx.compile and
+        # mx.vmap: there the blocks stay lazy (allowed, and useful, under mx.grad).
+        try:
+            mx.eval(x)
+        except ValueError:
+            pass
+
     def fused_attention(self, queries, keys, values, mask, scale):
         heads = mx.expand_dims  # mlx's layout is (batch, heads, seq, dim): one head
         out = mx.fast.scaled_dot_product_attention(
