@@ -86,9 +86,10 @@ def _masked_softmax(
     the second fill makes masked weights exactly 0, not just tiny.
     """
     fill = _padding_filler(ops, valid_lens, owned, lengths)
+    softmax = _softmax_of(ops, owned)
     filled = None if fill is None else fill(X, ops.lowest(X))
     if filled is not None:
-        weights = ops.softmax(filled)
+        weights = softmax(filled)
         # Every masked score is `lowest`, so a row's masked weights are all equal: already
         # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
         # masked rows, visible scores of -inf); uniform lets the filler skip the others.
@@ -99,8 +100,14 @@ def _masked_softmax(
         return ops.where(mask, weights, 0.0), mask
     mask = ops.length_mask(X, valid_lens)  # (B, 1|Q, K)
     where_owned = getattr(ops, "where_owned", ops.where)
-    weights = ops.softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
+    weights = softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
     return where_owned(mask, weights, 0.0), mask
+
+
+def _softmax_of(ops: Ops, owned: bool) -> Any:
+    """The softmax for scores the core owns (``softmax_owned``, which may reuse their
+    memory for the weights) or for the caller's (never written)."""
+    return getattr(ops, "softmax_owned", ops.softmax) if owned else ops.softmax
 
 
 def _padding_filler(ops: Ops, valid_lens: Tensor, owned: bool, lengths: Optional[list]) -> Any:
@@ -131,13 +138,13 @@ def _host_lengths(ops: Ops, x: Tensor, valid_lens: Tensor, n_keys: int) -> Optio
 def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
     """x (B, Q, K) with x[b, :, lengths[b]:] = fill, written in place, one slice per sequence
     (no pass over the visible scores).  uniform: x holds softmax weights (>= 0, or NaN)
-    with one value per row in the padding and fill is 0, so a sequence whose last column
-    (its padding) is already 0 everywhere is skipped."""
+    with one value per row in the padding and fill is 0, so where the last column (every
+    row's padding, or a fully masked row's 1/K) is 0 everywhere, nothing is written.  One
+    maximum for all sequences (cheaper than one per sequence): a row left to fill, which
+    only -inf scores make, means filling them all."""
     n_keys = ops.shape(x)[-1]
-    if uniform:
-        # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
-        done = (x[:, :, -1] <= fill).all(1).tolist()
-        lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
+    if uniform and float(x[:, :, -1].max()) <= fill:  # on the host: exact, and NaN is not <=
+        return x
     for row, n in enumerate(lengths):
         if n < n_keys:
             x[row, :, n:] = fill
@@ -147,7 +154,9 @@ def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool 
 def _zero_rows(ops: Ops, values: Tensor, lengths: list) -> Tensor:
     """values (B, K, v) with the rows >= lengths[b] zeroed: a copy and a slice per sequence."""
     n_keys = ops.shape(values)[1]
-    if all(n >= n_keys for n in lengths):
+    # The padded weights are exactly 0 and 0 * x is 0 for finite x, so only a NaN or inf
+    # in values needs the copy; a finite sum proves there is none (one read, no copy).
+    if all(n >= n_keys for n in lengths) or math.isfinite(float(values.sum())):
         return values
     values = cast(OptionalOps, ops).copy(values)  # adapters with host_lengths define copy
     for row, n in enumerate(lengths):
@@ -254,7 +263,7 @@ def attend(
 ) -> tuple[Tensor, Tensor]:
     """(masked_softmax(scores) @ values with dropout on the weights, weights before dropout)."""
     if valid_lens is None:
-        weights = ops.softmax(scores)
+        weights = _softmax_of(ops, owned=True)(scores)
     else:
         lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
         weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True, lengths=lengths)

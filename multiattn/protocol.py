@@ -109,6 +109,11 @@ class OptionalOps(Protocol):
         """``where`` for an x the core made itself, which may be filled in place
         (when autograd does not need it).  Adapters without a faster way omit it."""
 
+    def softmax_owned(self, x: Tensor) -> Tensor:
+        """``softmax`` of an x the core made itself and no longer needs: the adapter may
+        write the result into x's memory (when autograd does not need x), saving a
+        (B, Q, K) allocation and its first-touch cost.  Adapters without one omit it."""
+
     def host_lengths(self, x: Tensor, lens: Tensor) -> Optional[list]:
         """lens (B,) as a list of Python numbers where reading them costs nothing (host
         memory) and the core may write x (B, ...) slice by slice: one slice per sequence

@@ -341,6 +341,28 @@ def test_paddle_jit_to_static():
 
 
 @pytest.mark.backend("paddle")
+def test_paddle_softmax_writes_into_the_scores_only_where_autograd_does_not_need_them():
+    import paddle
+
+    from multiattn.backends import paddle as m
+
+    x = np.random.default_rng(3).normal(size=(2, 5, 7)) * 5
+    want = paddle.nn.functional.softmax(paddle.to_tensor(x), axis=-1).numpy()
+    owned = paddle.to_tensor(x)
+    got = m.ops.softmax_owned(owned)
+    assert got.data_ptr() == owned.data_ptr()
+    np.testing.assert_array_equal(got.numpy(), want)
+
+    leaf = paddle.to_tensor(x, stop_gradient=False)
+    scores = leaf * 1.0
+    got = m.ops.softmax_owned(scores)
+    assert got.data_ptr() != scores.data_ptr()
+    (got * paddle.to_tensor(x)).sum().backward()  # softmax's backward has its output
+    s = want
+    np.testing.assert_allclose(leaf.grad.numpy(), s * (x - (s * x).sum(-1, keepdims=True)), rtol=1e-10)
+
+
+@pytest.mark.backend("paddle")
 def test_paddle_half_precision_on_cpu_is_a_clear_error():
     from multiattn.backends import paddle as m
 
@@ -470,3 +492,29 @@ def test_mxnet_gluon_dropout_only_in_autograd_training():
     loss.backward()
     assert not np.allclose(out.asnumpy(), WANT_ADD)  # dropout while recording for training
     assert all(abs(p.grad()).sum() > 0 for p in layer.collect_params().values())
+
+
+@pytest.mark.backend("mxnet")
+def test_mxnet_softmax_writes_into_the_scores_only_while_autograd_does_not_record():
+    from mxnet import autograd, npx
+    from mxnet import np as mnp
+
+    from multiattn.backends import mxnet as m
+
+    x = np.random.default_rng(3).normal(size=(2, 5, 7)) * 5
+    want = npx.softmax(mnp.array(x, dtype="float64"), axis=-1).asnumpy()
+    owned = mnp.array(x, dtype="float64")
+    got = m.ops.softmax_owned(owned)
+    assert got is owned
+    np.testing.assert_array_equal(got.asnumpy(), want)
+
+    leaf = mnp.array(x, dtype="float64")
+    leaf.attach_grad()
+    with autograd.record():
+        scores = leaf * 1.0
+        got = m.ops.softmax_owned(scores)
+        assert got is not scores
+        loss = (got * mnp.array(x, dtype="float64")).sum()
+    loss.backward()
+    s = want
+    np.testing.assert_allclose(leaf.grad.asnumpy(), s * (x - (s * x).sum(-1, keepdims=True)), rtol=1e-10)

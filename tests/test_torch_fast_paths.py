@@ -32,6 +32,7 @@ def taken(monkeypatch):
         return result
 
     monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
+    monkeypatch.setattr(m, "SMALL_ELEMENTS", 0)  # and the softmax writes into the scores
     monkeypatch.setattr(m.TorchOps, "host_lengths", spy)
     return answers
 
@@ -127,8 +128,48 @@ def test_the_default_threshold_slices_at_benchmark_sizes_only():
     assert m.ops.host_lengths(torch.zeros(2, 256, 256), torch.tensor(lens)) == [100, 256]
     assert m.ops.host_lengths(torch.zeros(2, 3, 5), torch.tensor(lens)) is None
     with torch.no_grad():
-        out = m.dot_product_attention(*_tensors("float32", q, k, v), torch.tensor(lens))
-    np.testing.assert_allclose(out.numpy(), ref.dot_product_attention(q, k, v, lens)[0], atol=1e-5)
+        out, weights = m.dot_product_attention(
+            *_tensors("float32", q, k, v), torch.tensor(lens), return_weights=True
+        )
+    want_out, want = ref.dot_product_attention(q, k, v, lens)
+    np.testing.assert_allclose(out.numpy(), want_out, atol=1e-5)
+    np.testing.assert_allclose(weights.numpy(), want, atol=1e-6)
+    assert np.all(weights.numpy()[0, :, 100:] == 0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_the_softmax_writes_into_the_scores_only_where_nothing_needs_them(dtype):
+    import torch
+
+    m = _module()
+    x = torch.randn(4, 64, 64, dtype=getattr(torch, dtype)) * 5
+    x[0, 0, :] = -torch.inf  # all -inf: NaN, as torch.softmax gives
+    x[1, 1, 3] = torch.inf
+    want = torch.softmax(x, dim=-1)
+    owned = x.clone()
+    got = m.ops.softmax_owned(owned)
+    assert got.data_ptr() == owned.data_ptr()  # no new (B, Q, K) tensor
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+    # autograd needs the scores (softmax's backward keeps its output): a new tensor
+    leaf = x.clone().requires_grad_()
+    scores = leaf * 1.0
+    got = m.ops.softmax_owned(scores)
+    assert got.data_ptr() != scores.data_ptr()
+    cotangent = torch.randn_like(x)
+    (got * cotangent).nansum().backward()
+    expected = leaf.detach().clone().requires_grad_()
+    (torch.softmax(expected, dim=-1) * cotangent).nansum().backward()
+    torch.testing.assert_close(leaf.grad, expected.grad, equal_nan=True)
+
+
+def test_half_softmax_keeps_its_float32_math():
+    import torch
+
+    m = _module()
+    x = torch.randn(4, 64, 64, dtype=torch.bfloat16) * 5
+    got = m.ops.softmax_owned(x.clone())
+    torch.testing.assert_close(got, torch.softmax(x.float(), dim=-1).bfloat16(), rtol=0, atol=0)
 
 
 def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weights():

@@ -71,6 +71,13 @@ class MxnetOps:
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
+    def softmax_owned(self, x):
+        # the weights take the scores' memory: 2.0 vs 2.5 ms at (8, 512, 512).  Not while
+        # autograd records (softmax's backward needs x's graph), nor in float16 (float32 math).
+        if x.dtype == onp.float16 or autograd.is_recording():
+            return self.softmax(x)
+        return npx.softmax(x, axis=-1, out=x)
+
     def length_mask(self, x, lens, axis=-1):
         # mxnet's arange is float32 by default: compare in float64 to keep integer lengths exact
         positions = np.arange(x.shape[axis], dtype="float64")

@@ -61,6 +61,16 @@ class NumpyOps:
         e = np.exp(work - work.max(axis=-1, keepdims=True, initial=-np.inf))
         return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
 
+    def softmax_owned(self, x):
+        # the same steps written into x: no (B, Q, K) temporaries (the subtraction's and the
+        # exponential's) to allocate and page in
+        if x.dtype.itemsize < 4 or not x.flags.writeable:
+            return self.softmax(x)
+        x -= x.max(axis=-1, keepdims=True, initial=-np.inf)
+        np.exp(x, out=x)
+        x /= x.sum(axis=-1, keepdims=True)
+        return x
+
     def length_mask(self, x, lens, axis=-1):
         return np.arange(x.shape[axis]) < _per_row(lens)
 

@@ -86,6 +86,13 @@ class PaddleOps:
             return nn.functional.softmax(x, axis=-1, dtype="float32").astype(x.dtype)
         return nn.functional.softmax(x, axis=-1)
 
+    def softmax_owned(self, x):
+        # the weights take the scores' memory (softmax_): 4.1 vs 4.7 ms at (8, 512, 512).
+        # Not where autograd needs x, in a static graph, or in half types (float32 math).
+        if x.dtype in _HALF or not paddle.in_dynamic_mode() or not _untracked(x):
+            return self.softmax(x)
+        return nn.functional.softmax_(x, axis=-1)
+
     def length_mask(self, x, lens, axis=-1):
         # paddle does not promote int64 against int32: compare in int64 or float64
         common = "float64" if paddle.is_floating_point(lens) else "int64"
@@ -108,13 +115,18 @@ class PaddleOps:
             and paddle.in_dynamic_mode()
             and x.place.is_cpu_place()
             and lens.place.is_cpu_place()
-            and (x.stop_gradient or not paddle.is_grad_enabled())
+            and _untracked(x)
         ):
             return None
         return lens.tolist()
 
     def copy(self, x):
         return x.clone()
+
+
+def _untracked(x) -> bool:
+    """Whether autograd keeps no record of x (so the core may write into it)."""
+    return x.stop_gradient or not paddle.is_grad_enabled()
 
 
 ops = PaddleOps()
