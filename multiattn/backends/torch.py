@@ -52,7 +52,7 @@ class TorchOps:
         return "u" if dtype == torch.uint8 else "i"
 
     def reshape(self, x, shape):
-        return x.reshape(shape)
+        return x.reshape(*shape)  # unpacked: 1.0 instead of 1.5 us (toy sizes are dispatch bound)
 
     def zeros(self, shape, like):
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -106,9 +106,9 @@ class TorchOps:
         # the result).  Not where autograd needs x (out= has no backward), in half types
         # (float32 math), or under a compiler (which plans its own buffers).
         if (
-            x.dtype in _HALF
+            x.numel() < SMALL_ELEMENTS  # first: the cheapest test, and the toy sizes' answer
+            or x.dtype in _HALF
             or (x.requires_grad and torch.is_grad_enabled())
-            or x.numel() < SMALL_ELEMENTS
             or torch.compiler.is_compiling()
         ):
             return self.softmax(x)
@@ -134,7 +134,7 @@ class TorchOps:
         # x is the core's own intermediate: fill it in place unless autograd tracks it
         # (saves a (B, Q, K) allocation and a pass; softmax's backward needs its output).
         # Small x: one torch.where costs less than inverting the mask and filling.
-        if (x.requires_grad and torch.is_grad_enabled()) or x.numel() < SMALL_ELEMENTS:
+        if x.numel() < SMALL_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
             return torch.where(mask, x, _constant(fill, x))
         return x.masked_fill_(~mask, fill)  # 3-4x faster than torch.where(..., out=x) at (4, 2048, 2048)
 
