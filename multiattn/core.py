@@ -287,10 +287,9 @@ def _drop_unused_values(
         return _zero_rows(ops, values, lengths)
     if mask is None:
         mask = ops.length_mask(values, valid_lens, axis=1)
-    batch, rows, n_keys = ops.shape(mask)
-    if rows != 1:  # per-query lengths: a key is used if any query may see it
+    if ops.shape(mask)[1] != 1:  # per-query lengths: a key is used if any query may see it
         mask = ops.any(mask, 1)
-    return ops.where(ops.reshape(mask, (batch, n_keys, 1)), values, 0.0)
+    return ops.where(ops.expand_dims(mask[:, 0], 2), values, 0.0)  # (B, 1, K) -> (B, K, 1)
 
 
 def dot_product_attention(
@@ -311,6 +310,11 @@ def dot_product_attention(
     (_, n_queries, d), n_keys = q_shape, k_shape[1]
     if 0 in (q_shape[0], n_queries, n_keys):
         return _empty_attention(ops, queries, keys, values)
+    if d is None:  # a graph traced with an unknown feature axis
+        raise ValueError(
+            "queries must have a known width (the scores are divided by sqrt(width)), "
+            f"got shape {_fmt(q_shape)}"
+        )
     scale = 1.0 / math.sqrt(d)
     fused = getattr(ops, "fused_attention", None)
     if (

@@ -26,8 +26,6 @@ class Ops(Protocol):
     def dtype_kind(self, x: Tensor) -> str:
         """NumPy's kind letter of x's dtype: 'b' bool, 'i'/'u' integer, 'f' float, 'c' complex."""
 
-    def reshape(self, x: Tensor, shape: Shape) -> Tensor: ...
-
     def zeros(self, shape: Shape, like: Tensor) -> Tensor:
         """Zeros of ``shape`` in like's dtype, on like's device."""
 

@@ -133,6 +133,29 @@ def test_tensorflow_tf_function_and_training_flag():
 
 
 @pytest.mark.backend("tensorflow")
+def test_tensorflow_graphs_with_unknown_dimensions():
+    # every dimension unknown when traced: the weight products reshape by the runtime shape
+    import tensorflow as tf
+
+    from multiattn.backends import tensorflow as m
+
+    weights = {name: tf.constant(w) for name, w in WEIGHTS.items()}
+    unknown = tf.TensorSpec([None, None, None], tf.float64)
+    spec = [unknown] * 3 + [tf.TensorSpec([None], tf.int64)]
+    additive = tf.function(
+        lambda q, k, v, n: m.additive_attention(q, k, v, n, **weights), input_signature=spec
+    )
+    args = [tf.constant(x) for x in (Q, K, V)] + [tf.constant(LENS)]
+    np.testing.assert_allclose(additive(*args).numpy(), WANT_ADD, rtol=1e-10)
+    # dot-product attention's scale 1/sqrt(width) is a constant of the graph: the width must be known
+    width = tf.TensorSpec([None, None, 4], tf.float64)
+    dot = tf.function(m.dot_product_attention, input_signature=[width, width, unknown, spec[3]])
+    np.testing.assert_allclose(dot(*args).numpy(), WANT_DOT, rtol=1e-10)
+    with pytest.raises(ValueError, match=r"queries must have a known width .* got shape \(\?, \?, \?\)"):
+        tf.function(m.dot_product_attention, input_signature=spec)(*args)
+
+
+@pytest.mark.backend("tensorflow")
 def test_tensorflow_inside_keras_models():
     import keras
 

@@ -41,9 +41,6 @@ class JaxOps:
             return "f"
         return np.dtype(x.dtype).kind
 
-    def reshape(self, x, shape):
-        return jnp.reshape(x, shape)
-
     def zeros(self, shape, like):
         return jnp.zeros(shape, dtype=like.dtype)
 

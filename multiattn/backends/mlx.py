@@ -39,9 +39,6 @@ class MlxOps:
             return "f"
         return "u" if mx.issubdtype(dtype, mx.unsignedinteger) else "i"
 
-    def reshape(self, x, shape):
-        return mx.reshape(x, shape)
-
     def zeros(self, shape, like):
         return mx.zeros(shape, dtype=like.dtype)
 

@@ -42,9 +42,6 @@ class MxnetOps:
     def dtype_kind(self, x):
         return onp.dtype(x.dtype).kind
 
-    def reshape(self, x, shape):
-        return x.reshape(shape)
-
     def zeros(self, shape, like):
         return np.zeros(shape, dtype=like.dtype)
 

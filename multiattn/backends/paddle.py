@@ -57,9 +57,6 @@ class PaddleOps:
             return "f"
         return "u" if x.dtype == paddle.uint8 else "i"
 
-    def reshape(self, x, shape):
-        return paddle.reshape(x, [-1 if d is None else d for d in shape])
-
     def zeros(self, shape, like):
         return paddle.zeros(shape, dtype=like.dtype)
 
