@@ -86,21 +86,22 @@ def _masked_softmax(
     the second fill makes masked weights exactly 0, not just tiny.
     """
     fill = _padding_filler(ops, valid_lens, owned, lengths)
-    softmax = _softmax_of(ops, owned)
-    filled = None if fill is None else fill(X, ops.lowest(X))
+    filled = None if fill is None else fill(X, ops.lowest(X), owned=owned)
     if filled is not None:
-        weights = softmax(filled)
+        # filled is the core's own unless the filler found no padding in the caller's X
+        weights = _softmax_of(ops, owned or filled is not X)(filled)
         # Every masked score is `lowest`, so a row's masked weights are all equal: already
         # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
         # masked rows, visible scores of -inf); uniform lets the filler skip the others.
-        exact = fill(weights, 0.0, True)
+        exact = fill(weights, 0.0, uniform=True, owned=True)
         if exact is not None:
             return exact, None
         mask = ops.length_mask(X, valid_lens)
         return ops.where(mask, weights, 0.0), mask
     mask = ops.length_mask(X, valid_lens)  # (B, 1|Q, K)
     where_owned = getattr(ops, "where_owned", ops.where)
-    weights = softmax((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
+    # where never writes into the caller's X: either way the softmax gets the core's own
+    weights = _softmax_of(ops, True)((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
     return where_owned(mask, weights, 0.0), mask
 
 
@@ -111,15 +112,15 @@ def _softmax_of(ops: Ops, owned: bool) -> Any:
 
 
 def _padding_filler(ops: Ops, valid_lens: Tensor, owned: bool, lengths: Optional[list]) -> Any:
-    """A function (x, fill, uniform=False) giving x with its padding set to fill (or None,
-    declined), or None where the masked ``where`` is the way: the adapter's own kernel
-    (``fill_padding``), else slices over host lengths.  Slices write into x, so only into
-    the core's own tensors, never the caller's."""
+    """A function (x, fill, uniform=False, owned=False) giving x with its padding set to fill
+    (or None, declined), or None where the masked ``where`` is the way: the adapter's own
+    kernel (``fill_padding``, told whether x is the core's own), else slices over host
+    lengths.  Slices write into x, so only where the scores are the core's own."""
     fill_padding = getattr(ops, "fill_padding", None)
-    if fill_padding is not None and (owned or getattr(ops, "fill_padding_copies", False)):
-        return lambda x, fill, uniform=False: fill_padding(x, valid_lens, fill, uniform)
+    if fill_padding is not None:
+        return lambda x, fill, uniform=False, owned=False: fill_padding(x, valid_lens, fill, uniform, owned)
     if owned and lengths is not None:
-        return lambda x, fill, uniform=False: _fill_slices(ops, x, lengths, fill, uniform)
+        return lambda x, fill, uniform=False, owned=True: _fill_slices(ops, x, lengths, fill, uniform)
     return None
 
 

@@ -122,21 +122,20 @@ class OptionalOps(Protocol):
     def copy(self, x: Tensor) -> Tensor:
         """A new tensor equal to x (the core then writes into it)."""
 
-    def fill_padding(self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False) -> Optional[Tensor]:
-        """x with the positions ``>= lens`` of its last axis set to ``fill``, for an x the
-        core made itself (the adapter may write into x and return it), by the framework's
-        own kernel; None where that is not faster than a masked pass (the core then uses
-        ``length_mask`` and ``where``).  For frameworks whose ``where`` is slow next to such
+    def fill_padding(
+        self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False, owned: bool = False
+    ) -> Optional[Tensor]:
+        """x with the positions ``>= lens`` of its last axis set to ``fill``, by the
+        framework's own kernel; None where that is not faster than a masked pass (the core
+        then uses ``length_mask`` and ``where``).  owned: x is the core's own, which the
+        adapter may write into and return; otherwise x is the caller's: a new tensor (or x
+        itself where nothing changes).  For frameworks whose ``where`` is slow next to such
         a kernel (mxnet's sequence mask); host lengths are the other way (``host_lengths``).
 
         lens is checked as for ``length_mask`` (lengths <= 0 mask the whole row, lengths
         past the end mask nothing).  uniform: the caller guarantees that the padding of a
         row holds one value, so a row whose padding already equals ``fill`` may be skipped.
         """
-
-    # True where fill_padding never writes into x (returns a new tensor): the core may
-    # then use it on the caller's tensors too, not only on its own.
-    fill_padding_copies: bool
 
     def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Optional[Tensor]:
         """values (B, K, v) with the rows ``>= lens`` zeroed (a new tensor, or values itself

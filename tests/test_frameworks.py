@@ -541,3 +541,25 @@ def test_mxnet_softmax_writes_into_the_scores_only_while_autograd_does_not_recor
     loss.backward()
     s = want
     np.testing.assert_allclose(leaf.grad.asnumpy(), s * (x - (s * x).sum(-1, keepdims=True)), rtol=1e-10)
+
+
+@pytest.mark.backend("mxnet")
+def test_mxnet_padding_fill_writes_only_into_the_cores_own_scores():
+    from mxnet import np as mnp
+
+    from multiattn.backends import mxnet as m
+
+    x = np.random.default_rng(4).normal(size=(2, 3, 5))
+    lens = mnp.array([2.0, 4.0])
+    want = x.copy()
+    want[0, :, 2:], want[1, :, 4:] = -7.0, -7.0
+
+    callers = mnp.array(x, dtype="float32")
+    got = m.ops.fill_padding(callers, lens, -7.0, owned=False)
+    np.testing.assert_allclose(callers.asnumpy(), x, rtol=1e-6)  # the caller's x untouched
+    np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-6)
+
+    own = mnp.array(x, dtype="float32")
+    got = m.ops.fill_padding(own, lens, -7.0, owned=True)
+    assert got is own  # written in place: no (B, Q, K) copy
+    np.testing.assert_allclose(own.asnumpy(), want, rtol=1e-6)
