@@ -104,7 +104,7 @@ class MxnetOps:
             return x
         if uniform and (rows[padded] > 0).all():
             # one value per row: the last column (padding wherever there is any) tells
-            last = x[:, :, -1].asnumpy().reshape(-1)
+            last = _last_column(x).reshape(-1)
             if (last[padded] == fill).all():
                 return x
         if autograd.is_recording():  # views and out= would cut the recorded graph
@@ -116,6 +116,10 @@ class MxnetOps:
         return _view(_sequence_mask(flat, rows, fill), x.shape)
 
     def zero_padded_rows(self, values, lens):
+        # The masked weights are exactly 0 and 0 * x is 0 for finite x: values with a finite
+        # sum (so no NaN or inf) need no mask (a sum and a read: 0.1 ms instead of 0.45 at toy size)
+        if onp.isfinite(float(values.sum())):
+            return values
         lengths = _host_lengths(lens, values.shape[1])
         if lengths.ndim == 2:  # per-query lengths: a key is used if any query may see it
             lengths = lengths.max(axis=1)
@@ -132,6 +136,15 @@ def _host_lengths(lens, n_keys: int) -> onp.ndarray:
     ``_host_lengths``, vectorised: per-query lengths give B * Q of them."""
     lengths = onp.nan_to_num(lens.asnumpy().astype("float64"), nan=0.0)
     return onp.clip(onp.ceil(lengths), 0, n_keys)
+
+
+def _last_column(x) -> onp.ndarray:
+    """x[:, :, -1] in host memory.  mxnet's slice costs about 0.25 ms whatever the size and
+    reading a small x whole 0.02 ms; large x are sliced first."""
+    return x.asnumpy()[:, :, -1] if x.size <= _SMALL_ELEMENTS else x[:, :, -1].asnumpy()
+
+
+_SMALL_ELEMENTS = 1 << 16
 
 
 def _view(x, shape):
