@@ -139,13 +139,14 @@ def _host_lengths(ops: Ops, x: Tensor, valid_lens: Tensor, n_keys: int) -> Optio
 def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
     """x (B, Q, K) with x[b, :, lengths[b]:] = fill, written in place, one slice per sequence
     (no pass over the visible scores).  uniform: x holds softmax weights (>= 0, or NaN)
-    with one value per row in the padding and fill is 0, so where the last column (every
-    row's padding, or a fully masked row's 1/K) is 0 everywhere, nothing is written.  One
-    maximum for all sequences (cheaper than one per sequence): a row left to fill, which
-    only -inf scores make, means filling them all."""
+    with one value per row in the padding and fill is 0, so a sequence whose last column
+    (its padding) is already 0 everywhere is skipped.  Per sequence, not one maximum for
+    all: a sequence without padding (the batch's longest, typically) has weights there."""
     n_keys = ops.shape(x)[-1]
-    if uniform and float(x[:, :, -1].max()) <= fill:  # on the host: exact, and NaN is not <=
-        return x
+    if uniform:
+        # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
+        done = (x[:, :, -1] <= fill).all(1).tolist()
+        lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
     for row, n in enumerate(lengths):
         if n < n_keys:
             x[row, :, n:] = fill

@@ -106,6 +106,21 @@ def test_torch_sdpa_only_above_its_size_threshold(monkeypatch):
         assert bool(calls) == runs
 
 
+@pytest.mark.backend("numpy")
+def test_the_second_fill_skips_padding_already_zero_beside_a_full_length_sequence():
+    # the batch's longest sequence has no padding, so its last column holds weights; the
+    # others' padding is exactly 0 already and must not be written again (read-only here)
+    from multiattn import core
+    from multiattn.backends import numpy as m
+
+    weights = np.full((3, 2, 4), 0.25)
+    weights[1, :, 2:] = weights[2, :, 1:] = 0.0
+    weights.flags.writeable = False
+    assert core._fill_slices(m.ops, weights, [4, 2, 1], 0.0, uniform=True) is weights
+    with pytest.raises(ValueError, match="read-only"):  # a sequence left to fill is written
+        core._fill_slices(m.ops, weights, [4, 2, 0], 0.0, uniform=True)
+
+
 # --- tensorflow --------------------------------------------------------------------------
 
 
