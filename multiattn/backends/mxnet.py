@@ -70,8 +70,9 @@ class MxnetOps:
 
     def softmax_owned(self, x):
         # the weights take the scores' memory: 2.0 vs 2.5 ms at (8, 512, 512).  Not while
-        # autograd records (softmax's backward needs x's graph), nor in float16 (float32 math).
-        if x.dtype == onp.float16 or autograd.is_recording():
+        # autograd records (softmax's backward needs x's graph), in float16 (float32 math),
+        # or off the CPU (writing into the input is tested on the CPU only).
+        if x.dtype == onp.float16 or autograd.is_recording() or not _on_cpu(x):
             return self.softmax(x)
         return npx.softmax(x, axis=-1, out=x)
 
@@ -107,7 +108,9 @@ class MxnetOps:
             last = _last_column(x).reshape(-1)
             if (last[padded] == fill).all():
                 return x
-        if autograd.is_recording():  # views and out= would cut the recorded graph
+        # a copy while autograd records (views and out= would cut its graph) and off the CPU
+        # (writing through a view is tested on the CPU only)
+        if autograd.is_recording() or not _on_cpu(x):
             return _sequence_mask(x.reshape(-1, n_keys), rows, fill).reshape(x.shape)
         flat = _view(x, (-1, n_keys))
         if owned:
@@ -136,6 +139,10 @@ def _host_lengths(lens, n_keys: int) -> onp.ndarray:
     ``_host_lengths``, vectorised: per-query lengths give B * Q of them."""
     lengths = onp.nan_to_num(lens.asnumpy().astype("float64"), nan=0.0)
     return onp.clip(onp.ceil(lengths), 0, n_keys)
+
+
+def _on_cpu(x) -> bool:
+    return x.ctx.device_type == "cpu"
 
 
 def _last_column(x) -> onp.ndarray:

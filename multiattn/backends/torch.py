@@ -100,10 +100,12 @@ class TorchOps:
         # The weights take the scores' memory: no new (B, Q, K) tensor to allocate and
         # page in (medium: 0.93x the time with the allocator warm, less with glibc's
         # defaults).  The CPU kernel reads each element before writing it (a test checks
-        # the result).  Not where autograd needs x (out= has no backward), in half types
-        # (float32 math), or under a compiler (which plans its own buffers).
+        # the result; GPU kernels are untested here, so they keep their own output).  Not
+        # where autograd needs x (out= has no backward), in half types (float32 math), or
+        # under a compiler (which plans its own buffers).
         if (
             x.numel() < SMALL_ELEMENTS  # first: the cheapest test, and the toy sizes' answer
+            or x.device.type != "cpu"
             or x.dtype in _HALF
             or (x.requires_grad and torch.is_grad_enabled())
             or torch.compiler.is_compiling()
