@@ -98,16 +98,22 @@ def test_float_lengths_compare_like_d2l(bk):
     assert [np.count_nonzero(got[0, 0]), np.count_nonzero(got[1, 0])] == [3, 1]
 
 
-def test_inputs_never_modified(bk):
+# (queries, keys): small, and large enough for every fast path that writes into the core's
+# own tensors (slices, softmax into the scores, fused kernels: torch's thresholds)
+@pytest.mark.parametrize("n_queries, n_keys", [(3, 5), (200, 200)])
+def test_inputs_never_modified(bk, n_queries, n_keys):
     rng = np.random.default_rng(9)
-    arrays = [rng.normal(size=s) for s in [(2, 3, 4), (2, 5, 4), (2, 5, 2)]]
+    arrays = [rng.normal(size=s) for s in [(2, n_queries, 4), (2, n_keys, 4), (2, n_keys, 2)]]
     q, k, v = (bk.tensor(a, "float32") for a in arrays)
+    scores = rng.normal(size=(2, n_queries, n_keys))
     lens = bk.tensor(np.array([2, 0]))
-    X = bk.tensor(arrays[0], "float32")
+    X = bk.tensor(scores, "float32")
     multiattn.masked_softmax(X, lens)
+    multiattn.masked_softmax(X)
+    multiattn.dot_product_attention(q, k, v, lens)  # no weights: the fused kernel if any
     bk.call(bk.dot(), q, k, v, lens)
     bk.call(bk.additive(4, 4, 3), q, k, v, lens)
-    for tensor, array in zip((q, k, v, X), arrays + [arrays[0]]):
+    for tensor, array in zip((q, k, v, X), arrays + [scores]):
         np.testing.assert_array_equal(bk.numpy(tensor), array.astype("float32"))
     np.testing.assert_array_equal(bk.numpy(lens), [2, 0])
 
