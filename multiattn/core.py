@@ -76,14 +76,21 @@ def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
 
 
 def _masked_softmax(
-    ops: Ops, X: Tensor, valid_lens: Tensor, owned: bool, lengths: Optional[list] = None
+    ops: Ops,
+    X: Tensor,
+    valid_lens: Tensor,
+    owned: bool,
+    lengths: Optional[list] = None,
+    exact: bool = True,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """The masked softmax once the arguments are checked; owned: X is the core's own scores.
     lengths: the visible counts in host memory (``_host_lengths``), or None.
     Returns the weights and the (B, 1|Q, K) mask (None where no mask was needed).
 
     A finite fill (not -inf) keeps fully masked rows and their gradients free of NaN;
-    the second fill makes masked weights exactly 0, not just tiny.
+    the second fill makes masked weights exactly 0, not just tiny.  exact=False lets the
+    masked ``where`` path skip it (see ``attend``): masked weights are then exactly 0
+    except in rows where nothing is visible, which are uniform over the padding.
     """
     fill = _padding_filler(ops, valid_lens, owned, lengths)
     filled = None if fill is None else fill(X, ops.lowest(X), owned=owned)
@@ -102,7 +109,7 @@ def _masked_softmax(
     where_owned = getattr(ops, "where_owned", ops.where)
     # where never writes into the caller's X: either way the softmax gets the core's own
     weights = _softmax_of(ops, True)((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
-    return where_owned(mask, weights, 0.0), mask
+    return (where_owned(mask, weights, 0.0) if exact else weights), mask
 
 
 def _softmax_of(ops: Ops, owned: bool) -> Any:
@@ -261,14 +268,31 @@ def _check_attention_inputs(
 
 
 def attend(
-    ops: Ops, scores: Tensor, values: Tensor, valid_lens: Tensor = None, dropout: Dropout = None
+    ops: Ops,
+    scores: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    dropout: Dropout = None,
+    need_weights: bool = True,
 ) -> tuple[Tensor, Tensor]:
-    """(masked_softmax(scores) @ values with dropout on the weights, weights before dropout)."""
+    """(masked_softmax(scores) @ values with dropout on the weights, weights before dropout;
+    with need_weights=False the weights may be inexact in rows where nothing is visible)."""
     if valid_lens is None:
         weights = _softmax_of(ops, owned=True)(scores)
     else:
         lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
-        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True, lengths=lengths)
+        # The output alone needs no second masking pass where the padded value rows are
+        # zeroed by a mask (no host lengths, no adapter kernel whose shortcut relies on exact
+        # weights) and the lengths are per sequence: a row with nothing visible (fully
+        # masked, or all visible scores -inf) then weighs only zeroed rows, so its output is
+        # 0 all the same.  Per-query lengths zero only the rows no query sees.
+        exact = (
+            need_weights
+            or lengths is not None
+            or len(ops.shape(valid_lens)) != 1
+            or hasattr(ops, "zero_padded_rows")
+        )
+        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True, lengths=lengths, exact=exact)
         values = _drop_unused_values(ops, values, valid_lens, mask, lengths)
     dropped = weights if dropout is None else dropout(weights)
     return ops.matmul(dropped, values), weights
@@ -346,7 +370,7 @@ def dot_product_attention(
         scores = ops.matmul_t(queries * scale, keys)
     else:
         scores = ops.matmul_t(queries, keys) * scale
-    out, weights = attend(ops, scores, values, valid_lens, dropout)
+    out, weights = attend(ops, scores, values, valid_lens, dropout, need_weights)
     return out, (weights if need_weights else None)
 
 
