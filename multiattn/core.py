@@ -82,10 +82,11 @@ def _masked_softmax(
     owned: bool,
     lengths: Optional[list] = None,
     exact: bool = True,
-) -> tuple[Tensor, Optional[Tensor]]:
+) -> tuple[Tensor, Optional[Tensor], bool]:
     """The masked softmax once the arguments are checked; owned: X is the core's own scores.
     lengths: the visible counts in host memory (``_host_lengths``), or None.
-    Returns the weights and the (B, 1|Q, K) mask (None where no mask was needed).
+    Returns the weights, the (B, 1|Q, K) mask (None where no mask was needed) and whether
+    every masked weight is exactly 0.
 
     A finite fill (not -inf) keeps fully masked rows and their gradients free of NaN;
     the second fill makes masked weights exactly 0, not just tiny.  exact=False lets the
@@ -100,16 +101,16 @@ def _masked_softmax(
         # Every masked score is `lowest`, so a row's masked weights are all equal: already
         # exactly 0 (exp underflows) unless no visible score is much above `lowest` (fully
         # masked rows, visible scores of -inf); uniform lets the filler skip the others.
-        exact = fill(weights, 0.0, uniform=True, owned=True)
-        if exact is not None:
-            return exact, None
+        refilled = fill(weights, 0.0, uniform=True, owned=True)
+        if refilled is not None:
+            return refilled, None, True
         mask = ops.length_mask(X, valid_lens)
-        return ops.where(mask, weights, 0.0), mask
+        return ops.where(mask, weights, 0.0), mask, True
     mask = ops.length_mask(X, valid_lens)  # (B, 1|Q, K)
     where_owned = getattr(ops, "where_owned", ops.where)
     # where never writes into the caller's X: either way the softmax gets the core's own
     weights = _softmax_of(ops, True)((where_owned if owned else ops.where)(mask, X, ops.lowest(X)))
-    return (where_owned(mask, weights, 0.0) if exact else weights), mask
+    return (where_owned(mask, weights, 0.0) if exact else weights), mask, exact
 
 
 def _softmax_of(ops: Ops, owned: bool) -> Any:
@@ -162,12 +163,8 @@ def _fill_slices(ops: Ops, x: Tensor, lengths: list, fill: float, uniform: bool 
 
 def _zero_rows(ops: Ops, values: Tensor, lengths: list) -> Tensor:
     """values (B, K, v) with the rows >= lengths[b] zeroed: a copy and a slice per sequence."""
-    n_keys = ops.shape(values)[1]
-    # The padded weights are exactly 0 and 0 * x is 0 for finite x, so only a NaN or inf
-    # in values needs the copy; a finite sum proves there is none (one read, no copy).
-    if all(n >= n_keys for n in lengths) or math.isfinite(float(values.sum())):
-        return values
     values = cast(OptionalOps, ops).copy(values)  # adapters with host_lengths define copy
+    n_keys = ops.shape(values)[1]
     for row, n in enumerate(lengths):
         if n < n_keys:
             values[row, n:] = 0.0
@@ -281,31 +278,39 @@ def attend(
         weights = _softmax_of(ops, owned=True)(scores)
     else:
         lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
-        # The output alone needs no second masking pass where the padded value rows are
-        # zeroed by a mask (no host lengths, no adapter kernel whose shortcut relies on exact
-        # weights) and the lengths are per sequence: a row with nothing visible (fully
-        # masked, or all visible scores -inf) then weighs only zeroed rows, so its output is
-        # 0 all the same.  Per-query lengths zero only the rows no query sees.
-        exact = (
-            need_weights
-            or lengths is not None
-            or len(ops.shape(valid_lens)) != 1
-            or hasattr(ops, "zero_padded_rows")
-        )
-        weights, mask = _masked_softmax(ops, scores, valid_lens, owned=True, lengths=lengths, exact=exact)
-        values = _drop_unused_values(ops, values, valid_lens, mask, lengths)
+        # The output alone needs no exact zeros where the lengths are per sequence: the
+        # padded value rows are then zeroed (inexact weights rule out the finite shortcut
+        # below), and a row with nothing visible (fully masked, or all visible scores -inf)
+        # weighs only those rows, so its output is 0 all the same.  Per-query lengths zero
+        # only the rows no query sees.
+        exact = need_weights or len(ops.shape(valid_lens)) != 1
+        weights, mask, exact = _masked_softmax(ops, scores, valid_lens, True, lengths, exact)
+        values = _drop_unused_values(ops, values, valid_lens, mask, lengths, exact)
     dropped = weights if dropout is None else dropout(weights)
     return ops.matmul(dropped, values), weights
 
 
 def _drop_unused_values(
-    ops: Ops, values: Tensor, valid_lens: Tensor, mask: Optional[Tensor], lengths: Optional[list]
+    ops: Ops,
+    values: Tensor,
+    valid_lens: Tensor,
+    mask: Optional[Tensor],
+    lengths: Optional[list],
+    exact: bool = True,
 ) -> Tensor:
     """Zero the value rows no query may attend to (padding), so that a NaN or inf there
     cannot reach the output through 0 * NaN in the matmul.  (B, K, v): a small pass.
     mask: the (B, 1|Q, K) length mask, or None to make it here if needed; lengths: the
-    host lengths (``_host_lengths``) or None."""
+    host lengths (``_host_lengths``) or None; exact: every masked weight is exactly 0."""
     zero_padded_rows = getattr(ops, "zero_padded_rows", None)
+    if lengths is not None and all(n >= ops.shape(values)[1] for n in lengths):
+        return values
+    # With exact weights 0 * x is 0 for finite x: only a NaN or inf in values needs the
+    # zeroing, and a finite sum proves there is none.  Only where the lengths are read on
+    # the host anyway (host lengths, the adapter's own kernel): elsewhere it costs a sync.
+    if exact and (lengths is not None or zero_padded_rows is not None):
+        if math.isfinite(float(values.sum())):
+            return values
     dropped = None if zero_padded_rows is None else zero_padded_rows(values, valid_lens)
     if dropped is not None:
         return dropped

@@ -119,10 +119,6 @@ class MxnetOps:
         return _view(_sequence_mask(flat, rows, fill), x.shape)
 
     def zero_padded_rows(self, values, lens):
-        # The masked weights are exactly 0 and 0 * x is 0 for finite x: values with a finite
-        # sum (so no NaN or inf) need no mask (a sum and a read: 0.1 ms instead of 0.45 at toy size)
-        if onp.isfinite(float(values.sum())):
-            return values
         lengths = _host_lengths(lens, values.shape[1])
         if lengths.ndim == 2:  # per-query lengths: a key is used if any query may see it
             lengths = lengths.max(axis=1)
