@@ -54,19 +54,15 @@ class NumpyOps:
         return np.tanh(x)
 
     def softmax(self, x):
-        work = x.astype(np.float32) if x.dtype.itemsize < 4 else x
-        e = np.exp(work - work.max(axis=-1, keepdims=True, initial=-np.inf))
-        return (e / e.sum(axis=-1, keepdims=True)).astype(x.dtype, copy=False)
+        # half types in float32; a copy either way, so the steps can run in place
+        work = x.astype(np.float32) if x.dtype.itemsize < 4 else x.copy()
+        return _softmax_in_place(work).astype(x.dtype, copy=False)
 
     def softmax_owned(self, x):
-        # the same steps written into x: no (B, Q, K) temporaries (the subtraction's and the
-        # exponential's) to allocate and page in
+        # the core's own scores: the steps run in x, no (B, Q, K) temporaries to page in
         if x.dtype.itemsize < 4 or not x.flags.writeable:
             return self.softmax(x)
-        x -= x.max(axis=-1, keepdims=True, initial=-np.inf)
-        np.exp(x, out=x)
-        x /= x.sum(axis=-1, keepdims=True)
-        return x
+        return _softmax_in_place(x)
 
     def length_mask(self, x, lens, axis=-1):
         return np.arange(x.shape[axis]) < _per_row(lens)
@@ -84,6 +80,14 @@ class NumpyOps:
 
     def copy(self, x):
         return x.copy()
+
+
+def _softmax_in_place(x: np.ndarray) -> np.ndarray:
+    """Softmax over x's last axis, written into x (max-subtracted)."""
+    x -= x.max(axis=-1, keepdims=True, initial=-np.inf)
+    np.exp(x, out=x)
+    x /= x.sum(axis=-1, keepdims=True)
+    return x
 
 
 ops = NumpyOps()
