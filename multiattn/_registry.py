@@ -126,11 +126,15 @@ def framework_of_call(**tensors: Any) -> str:
 
 def check_framework(expected: str, **tensors: Any) -> None:
     """Raise TypeError unless every non-None tensor belongs to ``expected``."""
+    known = _framework_of_type
+    for x in tensors.values():  # the cheap common case: every type already seen as expected's
+        if x is not None and known.get(type(x)) != expected:
+            break
+    else:
+        return
     for arg, x in tensors.items():
-        if x is None or _framework_of_type.get(type(x)) == expected:  # the cheap common case
-            continue
-        name = framework_of(x)
-        if name != expected:
+        name = None if x is None else framework_of(x)
+        if x is not None and name != expected:
             got = f"a {name} tensor" if name else f"{type(x).__module__}.{type(x).__qualname__}"
             raise TypeError(
                 f"{arg} must be a {expected} tensor for the {expected} backend, got {got}; "

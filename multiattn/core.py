@@ -320,7 +320,7 @@ def _drop_unused_values(
         mask = ops.length_mask(values, valid_lens, axis=1)
     if ops.shape(mask)[1] != 1:  # per-query lengths: a key is used if any query may see it
         mask = ops.any(mask, 1)
-    return ops.where(ops.expand_dims(mask[:, 0], 2), values, 0.0)  # (B, 1, K) -> (B, K, 1)
+    return ops.where(ops.matrix_transpose(mask), values, 0.0)  # (B, 1, K) -> (B, K, 1)
 
 
 def dot_product_attention(

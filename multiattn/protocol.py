@@ -34,6 +34,9 @@ class Ops(Protocol):
 
     def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
 
+    def matrix_transpose(self, x: Tensor) -> Tensor:
+        """x with its last two axes swapped (a view where the framework has one)."""
+
     def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:

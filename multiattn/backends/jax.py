@@ -50,6 +50,9 @@ class JaxOps:
     def expand_dims(self, x, axis):
         return jnp.expand_dims(x, axis)
 
+    def matrix_transpose(self, x):
+        return jnp.swapaxes(x, -1, -2)
+
     def concat(self, xs, axis):
         return jnp.concatenate(xs, axis=axis)
 

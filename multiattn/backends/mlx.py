@@ -48,6 +48,9 @@ class MlxOps:
     def expand_dims(self, x, axis):
         return mx.expand_dims(x, axis)
 
+    def matrix_transpose(self, x):
+        return mx.swapaxes(x, -1, -2)
+
     def concat(self, xs, axis):
         return mx.concatenate(xs, axis=axis)
 

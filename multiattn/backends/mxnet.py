@@ -51,6 +51,9 @@ class MxnetOps:
     def expand_dims(self, x, axis):
         return np.expand_dims(x, axis)
 
+    def matrix_transpose(self, x):
+        return np.swapaxes(x, -1, -2)
+
     def concat(self, xs, axis):
         return np.concatenate(xs, axis=axis)
 

@@ -66,6 +66,11 @@ class PaddleOps:
     def expand_dims(self, x, axis):
         return paddle.unsqueeze(x, axis)
 
+    def matrix_transpose(self, x):
+        perm = list(range(x.ndim))
+        perm[-2:] = perm[-1], perm[-2]
+        return paddle.transpose(x, perm)
+
     def concat(self, xs, axis):
         return paddle.concat(xs, axis=axis)
 

@@ -78,6 +78,9 @@ class TensorFlowOps:
     def expand_dims(self, x, axis):
         return tf.expand_dims(x, axis)
 
+    def matrix_transpose(self, x):
+        return tf.linalg.matrix_transpose(x)
+
     def concat(self, xs, axis):
         return tf.concat(xs, axis=axis)
 

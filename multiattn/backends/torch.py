@@ -35,11 +35,10 @@ class TorchOps:
     fused_min_scores = 1 << 16
 
     def shape(self, x):
-        return tuple(x.shape)
+        return x.shape  # a torch.Size, which is a tuple
 
     def dtype_kind(self, x):
-        kind = _KINDS.get(x.dtype)
-        return kind if kind is not None else _KINDS.setdefault(x.dtype, self._kind(x.dtype))
+        return _KINDS.get(x.dtype) or _KINDS.setdefault(x.dtype, self._kind(x.dtype))
 
     @staticmethod
     def _kind(dtype):
@@ -59,6 +58,9 @@ class TorchOps:
 
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
+
+    def matrix_transpose(self, x):
+        return x.mT
 
     def concat(self, xs, axis):
         return torch.cat(xs, dim=axis)
@@ -105,7 +107,7 @@ class TorchOps:
         # under a compiler (which plans its own buffers).
         if (
             x.numel() < SMALL_ELEMENTS  # first: the cheapest test, and the toy sizes' answer
-            or x.device.type != "cpu"
+            or not x.is_cpu
             or x.dtype in _HALF
             or (x.requires_grad and torch.is_grad_enabled())
             or torch.compiler.is_compiling()
@@ -117,9 +119,10 @@ class TorchOps:
             return self.softmax(x)
 
     def length_mask(self, x, lens, axis=-1):
-        device = x.device
-        if lens.device != device:
-            lens = lens.to(device)
+        # is_cpu first: reading .device builds a torch.device (about 1 us a call, cold)
+        device = None if x.is_cpu else x.device
+        if not lens.is_cpu if device is None else lens.device != device:
+            lens = lens.to(x.device)
         per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
         return _positions(x.shape[axis], device) < per_row
 
@@ -171,8 +174,8 @@ def _sliceable_lengths(x: torch.Tensor, lens: torch.Tensor) -> Optional[list]:
     if not (
         x.numel() >= SLICE_MIN_SEQUENCE_ELEMENTS * x.shape[0]
         and lens.dim() == 1
-        and x.device.type == "cpu"
-        and lens.device.type == "cpu"
+        and x.is_cpu
+        and lens.is_cpu
         and not (x.requires_grad and torch.is_grad_enabled())
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
@@ -192,13 +195,14 @@ _CONSTANTS: dict = {}
 def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     """value as a cached 0-d tensor of like's dtype and device: torch.where takes one in
     half the time of a Python float, which it wraps into a new tensor on every call."""
-    key = (value, like.dtype, like.device)
-    constant = _CONSTANTS.get(key)
-    if constant is None:
+    key = (value, like.dtype) if like.is_cpu else (value, like.dtype, like.device)
+    try:
+        return _CONSTANTS[key]
+    except KeyError:
         if len(_CONSTANTS) > 256:
             _CONSTANTS.clear()
         constant = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
-    return constant
+        return constant
 
 
 def _sum_shape(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
@@ -214,14 +218,15 @@ _LOWEST = {
 }
 
 
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """arange(n), cached: the mask is rebuilt on every call and the toy sizes are per-op bound."""
+def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
+    """arange(n) on device (None: the CPU), cached: the mask is rebuilt on every call and
+    the toy sizes are per-op bound."""
     key = (n, device)
     tensor = _POSITIONS.get(key)
     if tensor is None:
         if len(_POSITIONS) > 256:  # many distinct sizes: keep the cache small
             _POSITIONS.clear()
-        tensor = _POSITIONS[key] = torch.arange(n, device=device)
+        tensor = _POSITIONS[key] = torch.arange(n, device="cpu" if device is None else device)
     return tensor
 
 
