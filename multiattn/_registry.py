@@ -7,12 +7,13 @@ asked for by name, and a tensor's framework is read off its type's module path
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
 
 # name -> (import name of the framework, pip extra, module prefixes of its tensor types).
 # Adding a backend: one line here, one module in multiattn/backends/, one tox env.
@@ -36,6 +37,7 @@ class BackendImportError(ImportError):
 
 _loaded: dict[str, ModuleType] = {}
 _framework_of_type: dict[type, str | None] = {}
+_types_of: dict[str, set[type]] = {name: set() for name in BACKENDS}
 
 
 def _check_name(name: object, source: str = "backend name") -> str:
@@ -97,7 +99,15 @@ def framework_of(x: Any) -> str | None:
         if found:
             break
     _framework_of_type[cls] = found
+    if found:
+        _types_of[found].add(cls)
     return found
+
+
+def known_types(name: str) -> set[type]:
+    """The types seen so far to be tensors of backend ``name``: a live set, for a membership
+    test on every call before the full check (``check_framework``) runs."""
+    return _types_of[name]
 
 
 def framework_of_call(**tensors: Any) -> str:
@@ -126,9 +136,9 @@ def framework_of_call(**tensors: Any) -> str:
 
 def check_framework(expected: str, **tensors: Any) -> None:
     """Raise TypeError unless every non-None tensor belongs to ``expected``."""
-    known = _framework_of_type
+    known = _types_of[expected]
     for x in tensors.values():  # the cheap common case: every type already seen as expected's
-        if x is not None and known.get(type(x)) != expected:
+        if x is not None and type(x) not in known:
             break
     else:
         return
@@ -140,6 +150,11 @@ def check_framework(expected: str, **tensors: Any) -> None:
                 f"{arg} must be a {expected} tensor for the {expected} backend, got {got}; "
                 f"convert it first (e.g. multiattn.get_backend({expected!r}).from_numpy)"
             )
+
+
+def tensor_check(name: str) -> Callable[..., None]:
+    """``check_framework`` for backend ``name``: call it with the tensors by argument name."""
+    return functools.partial(check_framework, name)
 
 
 def is_imported(name: str) -> bool:

@@ -6,18 +6,26 @@ check that arguments are the adapter's own tensors differ.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 from . import core
+from ._registry import known_types, tensor_check
 from .protocol import Ops, Tensor
 
 
-def bind(ops: Ops, check: Callable[..., None]) -> Tuple[Callable[..., Any], ...]:
-    """(masked_softmax, dot_product_attention, additive_attention) for one backend."""
+def bind(ops: Ops, check: Optional[Callable[..., None]] = None) -> Tuple[Callable[..., Any], ...]:
+    """(masked_softmax, dot_product_attention, additive_attention) for one backend.
+
+    check: the adapter's own argument check, run on every call; by default the framework
+    check, whose call is skipped for types already seen as the backend's tensors (a few us
+    a call at toy sizes, where the whole attention takes tens of us)."""
+    known = known_types(ops.name) if check is None else set()
+    check = tensor_check(ops.name) if check is None else check
 
     def masked_softmax(X: Tensor, valid_lens: Tensor = None) -> Tensor:
         """Softmax over X's last axis; positions >= valid_lens are exactly 0."""
-        check(X=X, valid_lens=valid_lens)
+        if not (type(X) in known and (valid_lens is None or type(valid_lens) in known)):
+            check(X=X, valid_lens=valid_lens)
         return core.masked_softmax(ops, X, valid_lens)
 
     def dot_product_attention(
@@ -32,7 +40,13 @@ def bind(ops: Ops, check: Callable[..., None]) -> Tuple[Callable[..., Any], ...]
 
         Without return_weights the framework's fused kernel runs where there is one.
         """
-        check(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        if not (
+            type(queries) in known
+            and type(keys) in known
+            and type(values) in known
+            and (valid_lens is None or type(valid_lens) in known)
+        ):
+            check(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
         out, weights = core.dot_product_attention(
             ops, queries, keys, values, valid_lens, need_weights=return_weights
         )

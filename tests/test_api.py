@@ -126,6 +126,25 @@ def test_layer_refuses_foreign_tensors_with_advice(bk):
         bk.call(bk.dot(), q, bk.tensor(q), bk.tensor(q))
 
 
+def test_backend_functions_refuse_foreign_tensors_in_any_argument(bk):
+    # after a valid call (the backend's tensor type is then known), a foreign tensor in any
+    # position still gets the check's error, not a failure deep inside the math
+    q = bk.tensor(np.ones((1, 2, 3)), "float32")
+    lens = bk.tensor(np.array([1]))
+    bk.module.dot_product_attention(q, q, q, lens)
+    bk.module.masked_softmax(q, lens)
+    foreign = [[[1.0, 1.0, 1.0]] * 2]
+    for arg, args in (
+        ("keys", (q, foreign, q, lens)),
+        ("values", (q, q, foreign, lens)),
+        ("valid_lens", (q, q, q, [1])),
+    ):
+        with pytest.raises(TypeError, match=f"{arg} must be a {bk.name} tensor for the {bk.name} backend"):
+            bk.module.dot_product_attention(*args)
+    with pytest.raises(TypeError, match=f"valid_lens must be a {bk.name} tensor"):
+        bk.module.masked_softmax(q, [1])
+
+
 def test_python_objects_are_not_tensors():
     with pytest.raises(TypeError, match="X must be a tensor of one of numpy, torch"):
         multiattn.masked_softmax([[[1.0, 2.0]]])

@@ -20,7 +20,7 @@ from flax import nnx
 from flax.errors import TraceContextError
 
 from .. import core
-from .._registry import check_framework
+from .._registry import tensor_check
 from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
@@ -120,11 +120,10 @@ FUSED_ON_CPU = False
 ops = JaxOps()
 
 
-def _tensors(**tensors: Any) -> None:
-    check_framework("jax", **tensors)
+_tensors = tensor_check("jax")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 def vjp(fn, args, cotangent):

@@ -15,7 +15,7 @@ import numpy as np
 from mlx import nn
 
 from .. import core
-from .._registry import check_framework
+from .._registry import tensor_check
 from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
@@ -99,11 +99,10 @@ class MlxOps:
 ops = MlxOps()
 
 
-def _tensors(**tensors: Any) -> None:
-    check_framework("mlx", **tensors)
+_tensors = tensor_check("mlx")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 def vjp(fn, args, cotangent):

@@ -16,7 +16,7 @@ from mxnet import autograd, np, npx
 from mxnet.gluon import nn
 
 from .. import core
-from .._registry import check_framework
+from .._registry import tensor_check
 from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
@@ -169,11 +169,10 @@ def _sequence_mask(x, lengths: onp.ndarray, fill: float, out=None):
 ops = MxnetOps()
 
 
-def _tensors(**tensors: Any) -> None:
-    check_framework("mxnet", **tensors)
+_tensors = tensor_check("mxnet")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 def vjp(fn, args, cotangent):

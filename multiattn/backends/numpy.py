@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from .. import core
-from .._registry import check_framework
+from .._registry import tensor_check
 from ..core import per_row as _per_row
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
@@ -96,11 +96,10 @@ def _softmax_in_place(x: np.ndarray) -> np.ndarray:
 ops = NumpyOps()
 
 
-def _arrays(**tensors: Any) -> None:
-    check_framework("numpy", **tensors)
+_arrays = tensor_check("numpy")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _arrays)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 # numpy has no autodiff: the check command and the gradient tests say so instead of testing it.

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._registry import BackendImportError, check_framework
+from .._registry import BackendImportError, tensor_check
 
 if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
     raise BackendImportError(
@@ -133,11 +133,10 @@ def _matmul_weight(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
 ops = TensorFlowOps()
 
 
-def _tensors(**tensors: Any) -> None:
-    check_framework("tensorflow", **tensors)
+_tensors = tensor_check("tensorflow")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 def vjp(fn, args, cotangent):

@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .. import core
-from .._registry import check_framework
+from .._registry import tensor_check
 from ..functional import bind
 from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
@@ -233,11 +233,10 @@ def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
 ops = TorchOps()
 
 
-def _tensors(**tensors: Any) -> None:
-    check_framework("torch", **tensors)
+_tensors = tensor_check("torch")
 
 
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
 
 
 def vjp(fn, args, cotangent):
