@@ -35,7 +35,8 @@ class Ops(Protocol):
     def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
 
     def matrix_transpose(self, x: Tensor) -> Tensor:
-        """x with its last two axes swapped (a view where the framework has one)."""
+        """x with its last two axes swapped, laid out row-major where the framework lets
+        the caller see layouts (the core runs elementwise passes over it)."""
 
     def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
 
@@ -68,9 +69,14 @@ class OptionalOps(Protocol):
     """Fast paths an adapter may offer, any subset (the core looks each up with getattr).
     Each must give what the required primitives would, within the dtype's rounding."""
 
-    # Elements of one (B, Q, keys, h) block of additive features (core.FEATURE_BLOCK_ELEMENTS
-    # when absent): cache-sized for an eager CPU framework, larger where ops cost more.
+    # Elements of one block of additive features (core.FEATURE_BLOCK_ELEMENTS when absent):
+    # cache-sized for an eager CPU framework, larger where ops cost more.
     feature_block_elements: int
+
+    # Lay the additive features out as d2l does, (B, Q, K, h), instead of keys innermost,
+    # (B, Q, h, K) (False when absent): for a compiler that fuses the w_v reduction best
+    # over the innermost axis.
+    hiddens_innermost: bool
 
     # Fewest scores (batch * queries * keys) for which ``fused_attention`` is worth its
     # fixed cost (0 when absent): below it the core runs the unfused math.
@@ -85,9 +91,9 @@ class OptionalOps(Protocol):
         previous call, no longer used by the core: the adapter may write the new result
         into its memory (one cache-resident buffer for all additive blocks)."""
 
-    def map_key_blocks(self, score_block: Any, keys: Tensor, step: int) -> Optional[Tensor]:
-        """``concat([score_block(keys[:, i : i + step]) for i in range(0, K, step)], -1)``
-        for keys (B, K, h) and score_block (B, step, h) -> (B, Q, step), run so that only
+    def map_query_blocks(self, score_block: Any, queries: Tensor, step: int) -> Optional[Tensor]:
+        """``concat([score_block(queries[:, i : i + step]) for i in range(0, Q, step)], 1)``
+        for queries (B, Q, h) and score_block (B, step, h) -> (B, step, K), run so that only
         one block's intermediates are alive at a time (e.g. a compiled loop); None where
         the core's Python loop is the better way."""
 

@@ -251,15 +251,15 @@ def test_jax_fused_kernel_only_off_the_cpu(monkeypatch):
 
 @pytest.mark.backend("jax")
 def test_jax_additive_blocks_under_jit_one_at_a_time(monkeypatch):
-    # under jit the key blocks run in lax.map: the reference's values and gradients, a last
+    # under jit the query blocks run in lax.map: the reference's values and gradients, a last
     # block shorter than the others, and XLA's temporary memory far below the features'
     import jax
     import jax.numpy as jnp
 
     from multiattn.backends import jax as m
 
-    B, Q, K, h = 2, 16, 300, 32
-    monkeypatch.setattr(m.ops, "feature_block_elements", B * Q * h * 7, raising=False)  # 7 keys
+    B, Q, K, h = 2, 300, 16, 32
+    monkeypatch.setattr(m.ops, "feature_block_elements", B * h * K * 7, raising=False)  # 7 queries
     rng = np.random.default_rng(22)
     q, k, v = rng.normal(size=(B, Q, 3)), rng.normal(size=(B, K, 5)), rng.normal(size=(B, K, 2))
     W = [rng.normal(size=(h, 3)) * 0.5, rng.normal(size=(h, 5)) * 0.5, rng.normal(size=(h,))]
@@ -468,8 +468,8 @@ def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch
     def forward(q, k, v, W_q, W_k, w_v, lens):
         return m.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v)
 
-    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 3 * 5 * 2, raising=False)  # 2 keys
-    for fn, blocks in ((forward, 4), (mx.compile(forward), 0)):
+    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 5 * 7 * 2, raising=False)  # 2 queries
+    for fn, blocks in ((forward, 2), (mx.compile(forward), 0)):
         evaluated.clear()
         np.testing.assert_allclose(np.array(fn(*args)), want, rtol=1e-5, atol=1e-5)
         assert len(evaluated) == blocks

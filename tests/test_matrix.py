@@ -120,15 +120,19 @@ def test_dot_product_fast_path_without_weights(bk, dtype, mask, shape, monkeypat
     assert_close(bk, out, want, dtype)
 
 
+@pytest.mark.parametrize("hiddens_innermost", [False, True], ids=["keys-innermost", "hiddens-innermost"])
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_additive_scores_in_blocks_equal_the_reference(bk, dtype, mask, monkeypatch):
-    """Large inputs are scored in blocks of keys (bounded memory); force tiny blocks here."""
+def test_additive_scores_in_blocks_equal_the_reference(bk, dtype, mask, hiddens_innermost, monkeypatch):
+    """Large inputs are scored in blocks of queries (bounded memory); force tiny blocks here,
+    in both feature layouts (each adapter uses one, see core.additive_scores)."""
     from multiattn import core
 
-    monkeypatch.setattr(core, "FEATURE_BLOCK_ELEMENTS", 40)  # 3 x 2 x 6 = 36 per key: 1 key a block
-    monkeypatch.setattr(bk.module.ops, "feature_block_elements", 40, raising=False)  # adapters' own
-    shape = (3, 2, 7, 4, 3, 2)
+    monkeypatch.setattr(bk.module.ops, "hiddens_innermost", hiddens_innermost, raising=False)
+    # 3 x 6 x 7 = 126 features per query: 2 queries a block, the last block shorter
+    monkeypatch.setattr(core, "FEATURE_BLOCK_ELEMENTS", 260)
+    monkeypatch.setattr(bk.module.ops, "feature_block_elements", 260, raising=False)  # adapters' own
+    shape = (3, 5, 7, 4, 3, 2)
     q, k, v, lens, rng = inputs(bk, dtype, shape, mask, seed=5, additive=True)
     weights = {"W_q": rng.normal(size=(6, 4)), "W_k": rng.normal(size=(6, 3)), "w_v": rng.normal(size=(6,))}
     layer = bk.additive(3, 4, 6, dtype=dtype, weights=weights)

@@ -229,8 +229,8 @@ def _additive_case(rng):
 
 @pytest.fixture
 def tiny_blocks(monkeypatch):
-    # 2 x 3 x 5 = 30 features per key: one key a block, the last block as small as the others
-    monkeypatch.setattr(_module().ops, "feature_block_elements", 30)
+    # 2 x 5 x 7 = 70 features per query: one query a block, the last block as small as the others
+    monkeypatch.setattr(_module().ops, "feature_block_elements", 70)
 
 
 def test_additive_blocks_sharing_a_buffer_under_no_grad(tiny_blocks):

@@ -32,6 +32,9 @@ _HALF = (jnp.float16, jnp.bfloat16)
 
 class JaxOps:
     name = "jax"
+    # XLA fuses the sum, tanh and w_v reduction of the additive features best with the
+    # hiddens innermost: 10-11 ms vs 18-20 ms with keys innermost (additive size, jit)
+    hiddens_innermost = True
 
     def shape(self, x):
         return tuple(x.shape)
@@ -79,20 +82,21 @@ class JaxOps:
     def lowest(self, x):
         return float(jnp.finfo(x.dtype).min)
 
-    def map_key_blocks(self, score_block, keys, step):
+    def map_query_blocks(self, score_block, queries, step):
         # Under jit, the blocks of a Python loop are all alive at once (XLA kept 64 MB of
         # features, as much as the textbook's whole tensor, and took 1.1x its time);
         # lax.map runs one block after another in one buffer: about 0.35x the time and a
         # tenth of the memory.  Eagerly, lax.map would compile its body on every call.
-        if not isinstance(keys, jax.core.Tracer):
+        if not isinstance(queries, jax.core.Tracer):
             return None
-        batch, n_keys, width = keys.shape
-        n_blocks = -(-n_keys // step)
-        padded = jnp.pad(keys, ((0, 0), (0, n_blocks * step - n_keys), (0, 0)))  # zero keys, cut below
+        batch, n_queries, width = queries.shape
+        n_blocks = -(-n_queries // step)
+        # zero queries pad the last block; their scores are cut below
+        padded = jnp.pad(queries, ((0, 0), (0, n_blocks * step - n_queries), (0, 0)))
         blocks = jnp.moveaxis(padded.reshape(batch, n_blocks, step, width), 1, 0)
-        scores = jax.lax.map(score_block, blocks)  # (blocks, B, Q, step)
-        scores = jnp.moveaxis(scores, 0, 2)  # (B, Q, blocks, step)
-        return scores.reshape(batch, scores.shape[1], n_blocks * step)[:, :, :n_keys]
+        scores = jax.lax.map(score_block, blocks)  # (blocks, B, step, K)
+        scores = jnp.moveaxis(scores, 0, 1)  # (B, blocks, step, K)
+        return scores.reshape(batch, n_blocks * step, scores.shape[-1])[:, :n_queries]
 
     def fused_attention(self, queries, keys, values, mask, scale):
         if not FUSED_ON_CPU and jax.default_backend() == "cpu":

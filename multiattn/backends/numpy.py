@@ -42,7 +42,7 @@ class NumpyOps:
         return np.expand_dims(x, axis)
 
     def matrix_transpose(self, x):
-        return np.swapaxes(x, -1, -2)
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))  # no copy where an axis has size 1
 
     def concat(self, xs, axis):
         return np.concatenate(xs, axis=axis)

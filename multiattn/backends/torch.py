@@ -60,7 +60,7 @@ class TorchOps:
         return x.unsqueeze(axis)
 
     def matrix_transpose(self, x):
-        return x.mT
+        return x.mT.contiguous()  # no copy where a swapped axis has size 1
 
     def concat(self, xs, axis):
         return torch.cat(xs, dim=axis)
