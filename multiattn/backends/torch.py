@@ -120,10 +120,14 @@ class TorchOps:
             return self.softmax(x)
 
     def length_mask(self, x, lens, axis=-1):
-        # is_cpu first: reading .device builds a torch.device (about 1 us a call, cold)
-        device = None if x.is_cpu else x.device
-        if not lens.is_cpu if device is None else lens.device != device:
-            lens = lens.to(x.device)
+        if x.is_cpu:  # is_cpu first: reading .device builds a torch.device (~1 us a call, cold)
+            device = None
+            if not lens.is_cpu:
+                lens = lens.cpu()
+        else:
+            device = x.device
+            if lens.device != device:
+                lens = lens.to(device)
         per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
         return _positions(x.shape[axis], device) < per_row
 
