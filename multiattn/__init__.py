@@ -16,7 +16,7 @@ from typing import Any
 
 from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
 from ._registry import selected_backend as _selected_backend
-from .core import InputDtypeError
+from .checks import InputDtypeError
 
 __version__ = "0.1.0"
 
@@ -87,5 +87,12 @@ def _selected_module() -> ModuleType:
 def __getattr__(attr: str) -> Any:
     # The layer classes resolve at use, so MULTIATTN_BACKEND is read then, not at import.
     if attr in ("AdditiveAttention", "DotProductAttention"):
-        return getattr(_selected_module(), attr)
+        module = _selected_module()
+        if not hasattr(module, attr):
+            raise AttributeError(
+                f"the {module.ops.name} backend has no layer classes (functions only: "
+                "multiattn.masked_softmax, dot_product_attention, additive_attention); "
+                f"choose a framework's backend with {ENV_VAR}"
+            )
+        return getattr(module, attr)
     raise AttributeError(f"module 'multiattn' has no attribute {attr!r}")

@@ -25,6 +25,8 @@ BACKENDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "mxnet": ("mxnet", "mxnet", ("mxnet",)),
     "paddle": ("paddle", "paddle", ("paddle",)),
     "mlx": ("mlx.core", "mlx", ("mlx.core",)),
+    # any Array API library without a backend of its own (tested with array-api-strict)
+    "array_api": ("array_api_strict", "array-api", ("array_api_strict", "cupy", "dask.array", "ndonnx")),
 }
 
 ENV_VAR = "MULTIATTN_BACKEND"

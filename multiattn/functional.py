@@ -6,27 +6,27 @@ check that arguments are the adapter's own tensors differ.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
-from . import core
-from ._registry import known_types, tensor_check
+from . import strategies
+from ._registry import known_types
 from .protocol import Ops, Tensor
 
 
-def bind(ops: Ops, check: Optional[Callable[..., None]] = None) -> Tuple[Callable[..., Any], ...]:
+def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
     """(masked_softmax, dot_product_attention, additive_attention) for one backend.
 
-    check: the adapter's own argument check, run on every call; by default the framework
-    check, whose call is skipped for types already seen as the backend's tensors (a few us
-    a call at toy sizes, where the whole attention takes tens of us)."""
-    known = known_types(ops.name) if check is None else set()
-    check = tensor_check(ops.name) if check is None else check
+    The framework check (``ops.check_tensors``) is skipped for types already seen as the
+    backend's tensors (its call costs a few us, a tenth of a toy-sized attention), unless
+    the adapter checks more than the framework."""
+    known = known_types(ops.name) if type(ops).check_tensors is Ops.check_tensors else set()
+    check = ops.check_tensors
 
     def masked_softmax(X: Tensor, valid_lens: Tensor = None) -> Tensor:
         """Softmax over X's last axis; positions >= valid_lens are exactly 0."""
         if not (type(X) in known and (valid_lens is None or type(valid_lens) in known)):
             check(X=X, valid_lens=valid_lens)
-        return core.masked_softmax(ops, X, valid_lens)
+        return strategies.masked_softmax(ops, X, valid_lens)
 
     def dot_product_attention(
         queries: Tensor,
@@ -47,7 +47,7 @@ def bind(ops: Ops, check: Optional[Callable[..., None]] = None) -> Tuple[Callabl
             and (valid_lens is None or type(valid_lens) in known)
         ):
             check(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, weights = core.dot_product_attention(
+        out, weights = strategies.dot_product_attention(
             ops, queries, keys, values, valid_lens, need_weights=return_weights
         )
         return (out, weights) if return_weights else out
@@ -65,7 +65,7 @@ def bind(ops: Ops, check: Optional[Callable[..., None]] = None) -> Tuple[Callabl
     ) -> Any:
         """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
         check(queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v)
-        out, weights = core.additive_attention_from_weights(
+        out, weights = strategies.additive_attention_from_weights(
             ops, queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v
         )
         return (out, weights) if return_weights else out

@@ -1,55 +1,95 @@
-"""The tensor-ops protocol: the only thing the core math asks of a framework.
+"""The tensor-ops protocol: the only thing multiattn's math asks of a framework.
 
-Each adapter in ``multiattn.backends`` provides one object with these methods.
-They are primitives, not attention: the scoring math lives once, in
-``multiattn.core``.
+``Ops`` is a base class in the style of einops' ``AbstractBackend``: the
+required primitives raise ``NotImplementedError`` until an adapter defines
+them; every optional step (a fast path, a tuning number) is defined here once,
+generically, and an adapter overrides it where its framework does better.  The
+math (``multiattn.core``) uses only the required primitives; the strategies
+(``multiattn.strategies``) use the optional steps.  A test fails for an adapter
+that defines a public member this class does not declare (a misspelled override
+would otherwise switch itself off silently).
+
+Tensors are used through these methods, plus what every array library has:
+``+`` and ``*`` with a tensor or a Python float, and basic slicing
+(``x[:, a:b]``, ``x[:, :, None]``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence, Tuple
+import math
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from . import _registry
 
 Tensor = Any
 Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
 
+# What a backend module ``multiattn.backends.<name>`` exports (tests check every backend).
+BACKEND_EXPORTS = (
+    "ops",  # an instance of an Ops subclass
+    "masked_softmax",  # the functional API, bound by multiattn.functional.bind(ops)
+    "dot_product_attention",
+    "additive_attention",
+    "from_numpy",  # (array, dtype name or None) -> a new tensor
+    "to_numpy",  # tensor -> a numpy copy (bfloat16 as float32)
+    "vjp",  # (fn, args, cotangent) -> (fn(*args), gradients), or None without autodiff
+    "SUPPORTED_DTYPES",  # dtype names the backend computes in
+    "DTYPE_NOTES",  # dtype name -> why it is not supported, for the check table
+)
+# The framework-native classes, in ``multiattn.layers.<name>`` (optional: array_api has none);
+# a backend module re-exports them lazily with ``layer_exports``.
+LAYER_EXPORTS = ("AdditiveAttention", "DotProductAttention")
 
-class Ops(Protocol):
-    """The primitives every adapter implements.  The optional fast paths are in
-    ``OptionalOps``: the core uses one when the adapter has it, else the same math
-    from these."""
 
-    name: str  # backend name, as in the registry
+class Ops:
+    """The primitives of one framework.  Subclasses set ``name`` and define every
+    method of the first group; the rest have generic defaults."""
+
+    name: str = ""  # backend name, as in the registry
+
+    # -- required primitives ------------------------------------------------------------
 
     def shape(self, x: Tensor) -> Shape:
         """The shape as a tuple (None for dimensions unknown until run time)."""
+        raise NotImplementedError
 
     def dtype_kind(self, x: Tensor) -> str:
         """NumPy's kind letter of x's dtype: 'b' bool, 'i'/'u' integer, 'f' float, 'c' complex."""
+        raise NotImplementedError
 
     def zeros(self, shape: Shape, like: Tensor) -> Tensor:
         """Zeros of ``shape`` in like's dtype, on like's device."""
+        raise NotImplementedError
 
     def any(self, mask: Tensor, axis: int) -> Tensor:
         """Logical or over one axis of a boolean tensor, the axis kept (size 1)."""
+        raise NotImplementedError
 
-    def expand_dims(self, x: Tensor, axis: int) -> Tensor: ...
+    def expand_dims(self, x: Tensor, axis: int) -> Tensor:
+        raise NotImplementedError
 
     def matrix_transpose(self, x: Tensor) -> Tensor:
         """x with its last two axes swapped, laid out row-major where the framework lets
-        the caller see layouts (the core runs elementwise passes over it)."""
+        the caller see layouts (elementwise passes run over it)."""
+        raise NotImplementedError
 
-    def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor: ...
+    def concat(self, xs: Sequence[Tensor], axis: int) -> Tensor:
+        raise NotImplementedError
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor:
         """Batched ``a @ b`` with NumPy's matmul broadcasting (b may be 1-D)."""
+        raise NotImplementedError
 
     def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
         """Batched ``a @ b^T``, the transpose over b's last two axes."""
+        raise NotImplementedError
 
-    def tanh(self, x: Tensor) -> Tensor: ...
+    def tanh(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
 
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
+        raise NotImplementedError
 
     def length_mask(self, x: Tensor, lens: Tensor, axis: int = -1) -> Tensor:
         """Boolean ``arange(x.shape[axis]) < lens`` of shape (B, 1, K) or (B, Q, K), on x's device.
@@ -57,96 +97,176 @@ class Ops(Protocol):
         lens has shape (B,) (one length per batch element: (B, 1, K)) or (B, Q),
         any integer or float dtype; the comparison is in a dtype both sides share.
         """
+        raise NotImplementedError
 
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         """``x`` where mask is true, the scalar ``fill`` elsewhere; never in place."""
+        raise NotImplementedError
 
     def lowest(self, x: Tensor) -> float:
         """The most negative finite value of x's dtype."""
+        raise NotImplementedError
 
+    # -- optional steps: generic here, overridden where a framework does better ---------
 
-class OptionalOps(Protocol):
-    """Fast paths an adapter may offer, any subset (the core looks each up with getattr).
-    Each must give what the required primitives would, within the dtype's rounding."""
-
-    # Elements of one block of additive features (core.FEATURE_BLOCK_ELEMENTS when absent):
-    # cache-sized for an eager CPU framework, larger where ops cost more.
-    feature_block_elements: int
+    # Elements of one block of additive features: the scores are made block by block over
+    # the queries, so the extra memory stays a few MB instead of the whole feature tensor.
+    feature_block_elements: int = 1 << 20
 
     # Lay the additive features out as d2l does, (B, Q, K, h), instead of keys innermost,
-    # (B, Q, h, K) (False when absent): for a compiler that fuses the w_v reduction best
-    # over the innermost axis.
-    hiddens_innermost: bool
+    # (B, Q, h, K): for a compiler that fuses the w_v reduction best over the innermost axis.
+    hiddens_innermost: bool = False
 
-    # Fewest scores (batch * queries * keys) for which ``fused_attention`` is worth its
-    # fixed cost (0 when absent): below it the core runs the unfused math.
-    fused_min_scores: int
+    # Fewest scores (batch * queries * keys) for which ``fused_attention`` pays its fixed cost.
+    fused_min_scores: int = 0
 
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
-        """``scale * (a @ b^T)`` for 3-D a and b, the scale applied inside the
-        product (e.g. a GEMM's alpha) rather than in a pass of its own."""
+        """``scale * (a @ b^T)`` for 3-D a (B, Q, d) and b (B, K, d)."""
+        n_keys, width = self.shape(b)[-2], self.shape(a)[-1]
+        if n_keys is not None and width is not None and width <= n_keys:
+            return self.matmul_t(a * scale, b)  # scale the smaller operand
+        return self.matmul_t(a, b) * scale
 
-    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Tensor) -> Tensor:
-        """``tanh(a + b)`` (broadcast).  dead is None or this method's result of the
-        previous call, no longer used by the core: the adapter may write the new result
-        into its memory (one cache-resident buffer for all additive blocks)."""
+    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Optional[Tensor]) -> Tensor:
+        """``tanh(a + b)`` (broadcast).  dead is None or this method's result of the previous
+        call, no longer used: an adapter may write the new result into its memory."""
+        return self.tanh(a + b)
 
-    def map_query_blocks(self, score_block: Any, queries: Tensor, step: int) -> Optional[Tensor]:
+    def map_query_blocks(self, score_block: Callable[[Tensor], Tensor], queries: Tensor, step: int) -> Tensor:
         """``concat([score_block(queries[:, i : i + step]) for i in range(0, Q, step)], 1)``
-        for queries (B, Q, h) and score_block (B, step, h) -> (B, step, K), run so that only
-        one block's intermediates are alive at a time (e.g. a compiled loop); None where
-        the core's Python loop is the better way."""
+        for queries (B, Q, h), only one block's intermediates alive at a time."""
+        blocks = []
+        n_queries = self.shape(queries)[1]
+        for start in range(0, n_queries, step):
+            blocks.append(score_block(queries[:, start : min(start + step, n_queries), :]))
+            self.settle(blocks[-1])
+        return self.concat(blocks, 1)
+
+    def check_tensors(self, **tensors: Tensor) -> None:
+        """TypeError unless every non-None argument is a tensor of this backend; by name."""
+        _registry.check_framework(self.name, **tensors)
 
     def settle(self, x: Tensor) -> None:
-        """Compute x now, in a lazy framework, so that what it was computed from can be
-        freed before the next additive block is built; do nothing where that is not
-        allowed (inside a compiled or vectorised function)."""
+        """Compute x now, in a lazy framework, so that what it was computed from can be freed
+        (a no-op in eager frameworks and inside compiled or vectorised functions)."""
+
+    def can_fuse(self, queries: Tensor, keys: Tensor, values: Tensor) -> bool:
+        """Whether ``fused_attention`` takes these inputs (the strategies also require
+        ``fused_min_scores``, no weights wanted and no dropout)."""
+        return False
 
     def fused_attention(
-        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float
+        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float
     ) -> Tensor:
-        """The framework's fused kernel for softmax(scale Q K^T, masked) V.
-
-        mask is None or boolean (B, 1|Q, K).  The core zeroes fully masked rows
-        and padding itself; the kernel may return None where it cannot take these
-        inputs.  Adapters without a fused kernel do not define it.
-        """
-
-    def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
-        """``where`` for an x the core made itself, which may be filled in place
-        (when autograd does not need it).  Adapters without a faster way omit it."""
+        """The framework's fused kernel for softmax(scale Q K^T, masked) V; mask is None or
+        boolean (B, 1|Q, K).  The strategies zero fully masked rows and padding themselves."""
+        raise NotImplementedError(f"{self.name} has no fused attention kernel (can_fuse is False)")
 
     def softmax_owned(self, x: Tensor) -> Tensor:
-        """``softmax`` of an x the core made itself and no longer needs: the adapter may
-        write the result into x's memory (when autograd does not need x), saving a
-        (B, Q, K) allocation and its first-touch cost.  Adapters without one omit it."""
+        """``softmax`` of scores the core made itself and no longer needs: the result may
+        take x's memory (where autograd does not need x)."""
+        return self.softmax(x)
+
+    def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
+        """``where`` for an x the core made itself, which may be filled in place."""
+        return self.where(mask, x, fill)
 
     def host_lengths(self, x: Tensor, lens: Tensor) -> Optional[list]:
-        """lens (B,) as a list of Python numbers where reading them costs nothing (host
-        memory) and the core may write x (B, ...) slice by slice: one slice per sequence
-        then beats a masked pass (the core clips, rounds and writes the slices).  None
-        otherwise: per-query lengths, a device, autograd tracking x, a tracing compiler,
-        or sizes where the masked pass is as fast.  Adapters with it also define ``copy``."""
+        """lens as (nested) Python numbers where reading them costs nothing and the core's
+        own copies of x (B, ...) may be written directly (``fill_padding``); None where they
+        are not on the host or must not be read (a device, autograd tracking x, a tracing
+        compiler).  The strategies clip them (``clip_lengths``)."""
+        return None
 
     def copy(self, x: Tensor) -> Tensor:
-        """A new tensor equal to x (the core then writes into it)."""
+        """A new tensor equal to x, which the core may write into."""
+        return x * 1
 
-    def fill_padding(
-        self, x: Tensor, lens: Tensor, fill: float, uniform: bool = False, owned: bool = False
-    ) -> Optional[Tensor]:
-        """x with the positions ``>= lens`` of its last axis set to ``fill``, by the
-        framework's own kernel; None where that is not faster than a masked pass (the core
-        then uses ``length_mask`` and ``where``).  owned: x is the core's own, which the
-        adapter may write into and return; otherwise x is the caller's: a new tensor (or x
-        itself where nothing changes).  For frameworks whose ``where`` is slow next to such
-        a kernel (mxnet's sequence mask); host lengths are the other way (``host_lengths``).
+    def fill_padding(self, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
+        """x (B, Q, K), the core's own, with ``x[b, :, lengths[b]:] = fill`` written in place, one
+        slice per sequence (no pass over the visible scores); lengths from ``host_lengths``,
+        clipped.  uniform: x holds softmax weights with one value per row in the padding,
+        so a sequence whose padding already equals fill (0: exp underflowed) is skipped.
+        This default needs slice assignment (numpy, torch, paddle)."""
+        n_keys = self.shape(x)[-1]
+        if uniform:
+            # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
+            done = (x[:, :, -1] <= fill).all(1).tolist()
+            lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
+        for row, n in enumerate(lengths):
+            if n < n_keys:
+                x[row, :, n:] = fill
+        return x
 
-        lens is checked as for ``length_mask`` (lengths <= 0 mask the whole row, lengths
-        past the end mask nothing).  uniform: the caller guarantees that the padding of a
-        row holds one value, so a row whose padding already equals ``fill`` may be skipped.
-        """
+    def zero_padded_rows(self, values: Tensor, lengths: list) -> Tensor:
+        """values (B, K, v) with the rows ``>= lengths[b]`` zeroed, in a copy (slice
+        assignment, as ``fill_padding``); values itself where no row is padding."""
+        n_keys = self.shape(values)[1]
+        if all(n >= n_keys for n in lengths):
+            return values
+        values = self.copy(values)
+        for row, n in enumerate(lengths):
+            if n < n_keys:
+                values[row, n:] = 0.0
+        return values
 
-    def zero_padded_rows(self, values: Tensor, lens: Tensor) -> Optional[Tensor]:
-        """values (B, K, v) with the rows ``>= lens`` zeroed (a new tensor, or values itself
-        where no row is padding), lens as for ``length_mask`` (per-query lengths: a row
-        is kept if any query may see it); None where the masked ``where`` is as fast."""
+    def all_finite(self, x: Tensor) -> bool:
+        """Whether x holds no NaN or inf (read on the host: only with ``host_lengths``)."""
+        return math.isfinite(float(x.sum()))
+
+
+REQUIRED = (
+    "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
+    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "where", "lowest",
+)  # fmt: skip
+
+
+def adapter_problems(cls: type) -> List[str]:
+    """What is wrong with an Ops subclass: a public member Ops does not declare (a misspelled
+    override would never be called), a required primitive left undefined."""
+    declared = set(dir(Ops))
+    problems = [
+        f"{klass.__name__}.{member} is not a member of protocol.Ops (misspelled?)"
+        for klass in cls.__mro__
+        if issubclass(klass, Ops) and klass is not Ops
+        for member in vars(klass)
+        if not member.startswith("_") and member not in declared
+    ]
+    problems += [
+        f"{cls.__name__} lacks the required primitive {member}"
+        for member in REQUIRED
+        if getattr(cls, member) is getattr(Ops, member)
+    ]
+    if not cls.name:
+        problems.append(f"{cls.__name__} has no name")
+    return problems
+
+
+def per_row(lens: Tensor) -> Tensor:
+    """Lengths (B,) as (B, 1, 1), (B, Q) as (B, Q, 1): against positions (K,) they give the
+    (B, 1|Q, K) mask of ``length_mask``."""
+    return lens[:, None, None] if len(lens.shape) == 1 else lens[:, :, None]
+
+
+def clip_lengths(raw: list, n_keys: int) -> List[Any]:
+    """How many of n_keys positions each length shows: position j is visible for
+    j < length, so 2.5 shows 3 (ceil), lengths <= 0 and NaN show none (j < NaN is false),
+    lengths past the end show all.  raw: one number per row, or a list per row."""
+    return [
+        clip_lengths(n, n_keys) if isinstance(n, list) else 0 if not n > 0 else n_keys if n >= n_keys else math.ceil(n)
+        for n in raw
+    ]
+
+
+def layer_exports(backend: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``multiattn.backends.<backend>`` that hands out the layer
+    classes of ``multiattn.layers.<backend>`` on first use (no import cycle)."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr in LAYER_EXPORTS:
+            import importlib
+
+            return getattr(importlib.import_module(f"multiattn.layers.{backend}"), attr)
+        raise AttributeError(f"module 'multiattn.backends.{backend}' has no attribute {attr!r}")
+
+    return __getattr__

@@ -63,15 +63,30 @@ def pytest_report_header(config):
     return line
 
 
+def pytest_terminal_summary(terminalreporter):
+    for name, count in _WITHOUT_LAYERS.items():
+        terminalreporter.write_line(f"multiattn: {count} tests of layer classes deselected for {name}, which has none")
+
+
 def backends_under_test() -> list[str]:
     return list(_TESTED)
 
 
+_WITHOUT_LAYERS: dict[str, int] = {}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked backend(name) run when that backend is under test, else are deselected."""
+    """Tests marked backend(name) run when that backend is under test, else are deselected;
+    tests marked layers (of the layer classes) are deselected, and counted in the summary,
+    for a backend that has none (array_api: functions only)."""
     keep, drop = [], []
     for item in items:
         needed = [marker.args[0] for marker in item.iter_markers("backend")]
+        bk = getattr(item, "callspec", None) and item.callspec.params.get("bk")
+        if bk and item.get_closest_marker("layers") and not harness(bk).has_layers:
+            _WITHOUT_LAYERS[bk] = _WITHOUT_LAYERS.get(bk, 0) + 1
+            drop.append(item)
+            continue
         (keep if all(name in _TESTED for name in needed) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)

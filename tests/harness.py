@@ -18,6 +18,7 @@ class Harness:
     """Defaults fit numpy and most frameworks; subclasses override what differs."""
 
     layers_convert_numpy = False  # do the layers accept numpy arrays (converting them)?
+    has_layers = True  # framework-native layer classes (AdditiveAttention, DotProductAttention)
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -150,6 +151,60 @@ class JaxHarness(Harness):
         return layer
 
 
+class _FunctionalLayer:
+    """A stand-in for the layer classes of a backend that has none (array_api): the functional
+    API with canonical weights, so that the matrix runs the same cases through it."""
+
+    def __init__(self, harness: "Harness", kind: str, dtype: str, weights=None) -> None:
+        self.harness, self.kind, self.dtype = harness, kind, dtype
+        self.weights = None if weights is None else {k: np.asarray(w) for k, w in weights.items()}
+        self.attention_weights = None
+
+    def get_weights(self):
+        return {k: self.harness.numpy(self.harness.tensor(w, self.dtype)) for k, w in self.weights.items()}
+
+    def set_weights(self, weights):
+        self.weights = {k: np.asarray(w) for k, w in weights.items()}
+
+    def __call__(self, queries, keys, values, valid_lens=None):
+        module = self.harness.module
+        if self.kind == "dot":
+            out, self.attention_weights = module.dot_product_attention(
+                queries, keys, values, valid_lens, return_weights=True
+            )
+        else:
+            tensors = {k: self.harness.tensor(w, self.dtype) for k, w in self.weights.items()}
+            out, self.attention_weights = module.additive_attention(
+                queries, keys, values, valid_lens, return_weights=True, **tensors
+            )
+        return out
+
+
+class ArrayApiHarness(Harness):
+    """No layer classes: the harness' layers are the functional API, always in eval mode."""
+
+    has_layers = False
+
+    def eval(self, layer):
+        return layer
+
+    def train(self, layer):
+        raise AssertionError("array_api has no layers, hence no training mode (mark the test layers)")
+
+    def additive(self, key_size, query_size, num_hiddens, dropout=0.0, dtype="float32", weights=None):
+        if weights is None:
+            rng = np.random.default_rng(0)
+            weights = {
+                "W_q": rng.uniform(-0.5, 0.5, (num_hiddens, query_size)),
+                "W_k": rng.uniform(-0.5, 0.5, (num_hiddens, key_size)),
+                "w_v": rng.uniform(-0.5, 0.5, (num_hiddens,)),
+            }
+        return _FunctionalLayer(self, "additive", dtype, weights)
+
+    def dot(self, dropout=0.0):
+        return _FunctionalLayer(self, "dot", "float32")
+
+
 HARNESSES = {
     "numpy": NumpyHarness,
     "torch": TorchHarness,
@@ -158,6 +213,7 @@ HARNESSES = {
     "mxnet": MxnetHarness,
     "paddle": PaddleHarness,
     "mlx": MlxHarness,
+    "array_api": ArrayApiHarness,
 }
 
 

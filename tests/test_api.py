@@ -12,8 +12,9 @@ import pytest
 
 import multiattn
 from multiattn import _registry
+from multiattn.protocol import BACKEND_EXPORTS, LAYER_EXPORTS, Ops
 
-ALL = ["numpy", "torch", "tensorflow", "jax", "mxnet", "paddle", "mlx"]
+ALL = ["numpy", "torch", "tensorflow", "jax", "mxnet", "paddle", "mlx", "array_api"]
 FRAMEWORK_MODULES = ["torch", "tensorflow", "keras", "jax", "flax", "mxnet", "paddle", "mlx"]
 
 
@@ -23,7 +24,7 @@ def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environ)
 
 
-def test_registry_knows_all_seven():
+def test_registry_knows_every_backend():
     assert list(multiattn.BACKENDS) == ALL
 
 
@@ -44,6 +45,7 @@ def test_default_backend_is_numpy(monkeypatch):
     assert multiattn.DotProductAttention is multiattn.get_backend("numpy").DotProductAttention
 
 
+@pytest.mark.layers
 def test_env_var_selects_backend_classes(bk, monkeypatch):
     monkeypatch.setenv("MULTIATTN_BACKEND", bk.name)
     assert multiattn.backend() == bk.name
@@ -91,9 +93,16 @@ def test_uninstalled_backend_names_the_extra(name, extra):
 
 def test_get_backend_returns_the_backend_module(bk):
     assert bk.module.__name__ == f"multiattn.backends.{bk.name}"
-    for name in ("masked_softmax", "AdditiveAttention", "DotProductAttention", "from_numpy", "to_numpy"):
+    for name in BACKEND_EXPORTS + (LAYER_EXPORTS if bk.has_layers else ()):
         assert hasattr(bk.module, name), name
     assert multiattn.get_backend(bk.name) is bk.module
+    assert isinstance(bk.module.ops, Ops) and bk.module.ops.name == bk.name
+
+
+def test_a_backend_without_layer_classes_says_so(monkeypatch):
+    monkeypatch.setenv("MULTIATTN_BACKEND", "array_api")
+    with pytest.raises(AttributeError, match="the array_api backend has no layer classes"):
+        _ = multiattn.AdditiveAttention
 
 
 def test_functional_api_follows_the_tensors(bk):

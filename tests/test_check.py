@@ -125,7 +125,8 @@ def test_a_wrong_fast_path_fails_the_check(monkeypatch, capsys):
         out, _ = multiattn.core.dot_product_attention(numpy_backend.ops, queries, keys, values)
         return out * 1.01
 
-    monkeypatch.setattr(numpy_backend.NumpyOps, "fused_attention", staticmethod(fused), raising=False)
+    monkeypatch.setattr(numpy_backend.NumpyOps, "fused_attention", staticmethod(fused))
+    monkeypatch.setattr(numpy_backend.NumpyOps, "can_fuse", lambda self, q, k, v: True)
     assert cli.main(["check", "--backends", "numpy", "--in-process"]) == 1
     out = capsys.readouterr().out
     assert all(

@@ -79,6 +79,7 @@ def test_scores_must_be_floats(bk):
 
 
 @pytest.mark.parametrize("dropout", [-0.1, 1.0, 1.5, "0.1", None])
+@pytest.mark.layers
 def test_dropout_must_be_a_probability(bk, dropout):
     with raises(f"dropout must be a probability in [0, 1), got {dropout!r}"):
         bk.module.DotProductAttention(dropout)
@@ -89,6 +90,7 @@ def test_dropout_must_be_a_probability(bk, dropout):
 @pytest.mark.parametrize(
     "arg, sizes", [("num_hiddens", (2, 3, 0)), ("key_size", (-1, 3, 4)), ("query_size", (2, 2.5, 4))]
 )
+@pytest.mark.layers
 def test_sizes_must_be_positive_integers(bk, arg, sizes):
     with raises(f"{arg} must be a positive integer, got"):
         bk.module.AdditiveAttention(*sizes)

@@ -110,15 +110,14 @@ def test_torch_sdpa_only_above_its_size_threshold(monkeypatch):
 def test_the_second_fill_skips_padding_already_zero_beside_a_full_length_sequence():
     # the batch's longest sequence has no padding, so its last column holds weights; the
     # others' padding is exactly 0 already and must not be written again (read-only here)
-    from multiattn import core
     from multiattn.backends import numpy as m
 
     weights = np.full((3, 2, 4), 0.25)
     weights[1, :, 2:] = weights[2, :, 1:] = 0.0
     weights.flags.writeable = False
-    assert core._fill_slices(m.ops, weights, [4, 2, 1], 0.0, uniform=True) is weights
+    assert m.ops.fill_padding(weights, [4, 2, 1], 0.0, uniform=True) is weights
     with pytest.raises(ValueError, match="read-only"):  # a sequence left to fill is written
-        core._fill_slices(m.ops, weights, [4, 2, 0], 0.0, uniform=True)
+        m.ops.fill_padding(weights, [4, 2, 0], 0.0, uniform=True)
 
 
 # --- tensorflow --------------------------------------------------------------------------
@@ -259,7 +258,7 @@ def test_jax_additive_blocks_under_jit_one_at_a_time(monkeypatch):
     from multiattn.backends import jax as m
 
     B, Q, K, h = 2, 300, 16, 32
-    monkeypatch.setattr(m.ops, "feature_block_elements", B * h * K * 7, raising=False)  # 7 queries
+    monkeypatch.setattr(m.ops, "feature_block_elements", B * h * K * 7)  # 7 queries
     rng = np.random.default_rng(22)
     q, k, v = rng.normal(size=(B, Q, 3)), rng.normal(size=(B, K, 5)), rng.normal(size=(B, K, 2))
     W = [rng.normal(size=(h, 3)) * 0.5, rng.normal(size=(h, 5)) * 0.5, rng.normal(size=(h,))]
@@ -468,7 +467,7 @@ def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch
     def forward(q, k, v, W_q, W_k, w_v, lens):
         return m.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v)
 
-    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 5 * 7 * 2, raising=False)  # 2 queries
+    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 5 * 7 * 2)  # 2 queries
     for fn, blocks in ((forward, 2), (mx.compile(forward), 0)):
         evaluated.clear()
         np.testing.assert_allclose(np.array(fn(*args)), want, rtol=1e-5, atol=1e-5)

@@ -40,6 +40,7 @@ def test_show_heatmaps_checks_its_input():
         show_heatmaps(np.zeros((1, 2, 2, 10)), "Keys", "Queries", titles=["only one"])
 
 
+@pytest.mark.layers
 def test_demo_prints_the_books_outputs_and_saves_the_heatmap(bk, tmp_path, capsys):
     path = tmp_path / "weights.png"
     assert cli.main(["demo", "--backend", bk.name, "--out", str(path)]) == 0

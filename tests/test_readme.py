@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from multiattn import BACKENDS
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = {
     m.group(1): m.group(0)[len("```python\n") : -3]
@@ -15,7 +17,7 @@ BLOCKS = {
 
 
 def test_every_backend_has_a_quick_start():
-    assert sorted(BLOCKS) == sorted(["numpy", "torch", "tensorflow", "jax", "mxnet", "paddle", "mlx"])
+    assert sorted(BLOCKS) == sorted(BACKENDS)
 
 
 def test_quick_start_runs(bk):
@@ -27,3 +29,19 @@ def test_quick_start_runs(bk):
     numbers = re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", printed)
     first = [round(float(x), 3) for x in numbers[:8]]
     assert first == [2, 3, 4, 5, 10, 11, 12, 13], result.stdout
+
+
+def test_readme_is_short_and_its_links_exist():
+    text = README.read_text()
+    assert len(text) <= 12_000, f"README.md has {len(text)} characters; move detail to docs/"
+    links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    assert links, "README.md links no docs"
+    missing = [link for link in links if "://" not in link and not (README.parent / link).exists()]
+    assert missing == []
+
+
+def test_doc_pages_link_to_pages_that_exist():
+    for page in (README.parent / "docs").glob("*.md"):
+        for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in link:
+                assert (page.parent / link).exists(), f"{page.name} links {link}, which does not exist"

@@ -141,6 +141,7 @@ def test_dot_product_is_scaled_by_sqrt_of_query_width(bk):
     np.testing.assert_allclose(bk.numpy(layer.attention_weights)[0, 0], expected, **f64(bk))
 
 
+@pytest.mark.layers
 def test_attention_weights_are_before_dropout(bk):
     rng = np.random.default_rng(4)
     q, k, v = (bk.tensor(rng.normal(size=s), "float32") for s in [(2, 3, 4), (2, 6, 4), (2, 6, 2)])

@@ -21,6 +21,7 @@ def run(bk, layer):
     return bk.numpy(out)
 
 
+@pytest.mark.layers
 def test_get_weights_is_canonical(bk):
     got = bk.additive(2, 20, 8).get_weights()
     assert set(got) == {"W_q", "W_k", "w_v"}
@@ -28,18 +29,21 @@ def test_get_weights_is_canonical(bk):
     assert all(isinstance(v, np.ndarray) for v in got.values())
 
 
+@pytest.mark.layers
 def test_set_then_get_is_exact(bk):
     layer = bk.additive(2, 20, 8, dtype="float64", weights=WEIGHTS)
     for key, value in layer.get_weights().items():
         np.testing.assert_array_equal(value, WEIGHTS[key])
 
 
+@pytest.mark.layers
 def test_canonical_weights_mean_the_formula(bk):
     layer = bk.additive(2, 20, 8, dtype="float64", weights=WEIGHTS)
     want = ref.additive_attention(Q, K, V, LENS, WEIGHTS["W_q"], WEIGHTS["W_k"], WEIGHTS["w_v"])[0]
     np.testing.assert_allclose(run(bk, layer), want, **f64(bk))
 
 
+@pytest.mark.layers
 def test_round_trip_between_backends(pair):
     a, b = pair
     source = a.additive(2, 20, 8, dtype="float64")
@@ -51,12 +55,14 @@ def test_round_trip_between_backends(pair):
         np.testing.assert_array_equal(value, source.get_weights()[key])
 
 
+@pytest.mark.layers
 def test_get_weights_returns_copies(bk):
     layer = bk.additive(2, 20, 8, dtype="float64", weights=WEIGHTS)
     layer.get_weights()["W_q"][:] = 0
     np.testing.assert_array_equal(layer.get_weights()["W_q"], WEIGHTS["W_q"])
 
 
+@pytest.mark.layers
 def test_set_weights_does_not_alias_the_callers_arrays(bk):
     weights = {k: v.copy() for k, v in WEIGHTS.items()}
     layer = bk.additive(2, 20, 8, dtype="float64", weights=weights)
@@ -64,6 +70,7 @@ def test_set_weights_does_not_alias_the_callers_arrays(bk):
     np.testing.assert_array_equal(layer.get_weights()["W_k"], WEIGHTS["W_k"])
 
 
+@pytest.mark.layers
 @pytest.mark.parametrize("key, shape", [("W_q", (8, 19)), ("W_k", (2, 8)), ("w_v", (8, 1)), ("w_v", (9,))])
 def test_set_weights_shape_mismatch_names_key_and_shapes(bk, key, shape):
     layer = bk.additive(2, 20, 8)
@@ -75,6 +82,7 @@ def test_set_weights_shape_mismatch_names_key_and_shapes(bk, key, shape):
         layer.set_weights(weights)
 
 
+@pytest.mark.layers
 def test_set_weights_needs_exactly_the_three_keys(bk):
     layer = bk.additive(2, 20, 8)
     with pytest.raises(ValueError, match=r"missing \['w_v'\], unknown \['bias'\]"):

@@ -1,4 +1,4 @@
-"""MLX backend: ``mlx.nn.Module`` classes over the shared core.
+"""MLX backend: the ops of mlx arrays (layers: ``multiattn.layers.mlx``).
 
 MLX evaluates lazily: ``to_numpy`` forces evaluation.  ``mx.array`` of a
 float64 numpy array silently becomes float32 unless a dtype is passed, so
@@ -12,18 +12,15 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import numpy as np
-from mlx import nn
 
-from .. import core
-from .._registry import tensor_check
-from ..core import per_row as _per_row
 from ..functional import bind
-from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from ..protocol import Ops, layer_exports, per_row
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+DTYPE_NOTES: dict = {}
 
 
-class MlxOps:
+class MlxOps(Ops):
     name = "mlx"
 
     def shape(self, x):
@@ -67,7 +64,7 @@ class MlxOps:
         return mx.softmax(x, axis=-1, precise=True)  # precise: half types accumulate in float32
 
     def length_mask(self, x, lens, axis=-1):
-        return mx.arange(x.shape[axis]) < _per_row(lens)
+        return mx.arange(x.shape[axis]) < per_row(lens)
 
     def where(self, mask, x, fill):
         return mx.where(mask, x, mx.array(fill, dtype=x.dtype))
@@ -76,13 +73,15 @@ class MlxOps:
         return float(mx.finfo(x.dtype).min)
 
     def settle(self, x):
-        # mlx is lazy: without this, one graph holds every additive block's features at
-        # once (0.99x the textbook's memory).  mx.eval is refused inside mx.compile and
-        # mx.vmap: there the blocks stay lazy (allowed, and useful, under mx.grad).
+        # mlx is lazy: without this one graph holds every additive block's features at once.
+        # mx.eval is refused inside mx.compile and mx.vmap: there the blocks stay lazy.
         try:
             mx.eval(x)
         except ValueError:
             pass
+
+    def can_fuse(self, queries, keys, values):
+        return True
 
     def fused_attention(self, queries, keys, values, mask, scale):
         heads = mx.expand_dims  # mlx's layout is (batch, heads, seq, dim): one head
@@ -97,12 +96,8 @@ class MlxOps:
 
 
 ops = MlxOps()
-
-
-_tensors = tensor_check("mlx")
-
-
 masked_softmax, dot_product_attention, additive_attention = bind(ops)
+__getattr__ = layer_exports("mlx")
 
 
 def vjp(fn, args, cotangent):
@@ -129,70 +124,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     return np.array(tensor)
 
 
-class DotProductAttention(nn.Module):
-    """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
-
-    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
-        super().__init__()
-        self._rate = check_dropout(dropout)
-        self.dropout = nn.Dropout(self._rate)
-        self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
-        self._attention_weights: Optional[mx.array] = None
-
-    @property
-    def attention_weights(self) -> Optional[mx.array]:
-        return self._attention_weights
-
-    def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        dropout = self.dropout if self.training and self._rate > 0 else None
-        out, self._attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, dropout, self._need_weights
-        )
-        return out
-
-
-class AdditiveAttention(CanonicalWeightsMixin, nn.Module):
-    """Additive attention with ``nn.Linear(bias=False)``; MLX stores weights (out, in)."""
-
-    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias=False)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=False)
-        self.w_v = nn.Linear(self.num_hiddens, 1, bias=False)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self._attention_weights: Optional[mx.array] = None
-
-    @property
-    def attention_weights(self) -> Optional[mx.array]:
-        return self._attention_weights
-
-    def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.weight),
-            "W_k": to_numpy(self.W_k.weight),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
-
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            linear = getattr(self, key)
-            linear.weight = from_numpy(value.reshape(linear.weight.shape)).astype(linear.weight.dtype)
-
-    def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, self._attention_weights = core.additive_attention(
-            ops,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            project_q=self.W_q,
-            project_k=self.W_k,
-            w_v=self.w_v.weight[0],
-            query_size=self.query_size,
-            key_size=self.key_size,
-            dropout=self.dropout,
-        )
-        return out

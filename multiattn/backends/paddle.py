@@ -1,4 +1,4 @@
-"""PaddlePaddle backend: ``paddle.nn.Layer`` classes over the shared core.
+"""PaddlePaddle backend: the ops of paddle tensors (layers: ``multiattn.layers.paddle``).
 
 Two facts of paddle shape this adapter:
 * importing paddle after tensorflow/keras segfaults the process, so loading
@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._registry import BackendImportError
+from ..checks import InputDtypeError
 
 if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
     raise BackendImportError(
@@ -29,11 +30,9 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
-from .. import _registry, core, functional, layers  # noqa: E402
-from .._registry import check_framework  # noqa: E402
-from ..core import per_row as _per_row  # noqa: E402
-from ..functional import bind
-from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes  # noqa: E402
+from .. import _registry, checks, core, functional, layers, protocol, strategies  # noqa: E402
+from ..functional import bind  # noqa: E402
+from ..protocol import Ops, layer_exports, per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
 _NO_HALF = "paddle's CPU build has no float16/bfloat16 matmul and tanh kernels"
@@ -42,7 +41,7 @@ DTYPE_NOTES = {"float16": _NO_HALF, "bfloat16": _NO_HALF}
 _HALF = (paddle.float16, paddle.bfloat16)
 
 
-class PaddleOps:
+class PaddleOps(Ops):
     name = "paddle"
 
     def shape(self, x):
@@ -89,8 +88,8 @@ class PaddleOps:
         return nn.functional.softmax(x, axis=-1)
 
     def softmax_owned(self, x):
-        # the weights take the scores' memory (softmax_): 4.1 vs 4.7 ms at (8, 512, 512).
-        # Not where autograd needs x, in a static graph, or in half types (float32 math).
+        # the weights take the scores' memory (softmax_); not where autograd needs x, in a
+        # static graph, or in half types (float32 math)
         if x.dtype in _HALF or not paddle.in_dynamic_mode() or not _untracked(x):
             return self.softmax(x)
         return nn.functional.softmax_(x, axis=-1)
@@ -99,7 +98,7 @@ class PaddleOps:
         # paddle does not promote int64 against int32: compare in int64 or float64
         common = "float64" if paddle.is_floating_point(lens) else "int64"
         positions = paddle.arange(x.shape[axis], dtype=common)
-        return positions < _per_row(lens.astype(common))
+        return positions < per_row(lens.astype(common))
 
     def where(self, mask, x, fill):
         return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))
@@ -108,10 +107,9 @@ class PaddleOps:
         return float(paddle.finfo(x.dtype).min)
 
     def host_lengths(self, x, lens):
-        # paddle's `where` takes 13 ms at (8, 512, 512) on the CPU, writing only the padding
-        # (a slice per sequence) about 3.5 ms, and slices won at every size measured, the toy
-        # one too (0.23 vs 0.30 ms).  Not under autograd (softmax's backward needs its
-        # output as it was), not in a static graph (the lengths would be baked in).
+        # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
+        # under autograd (softmax's backward needs its output as it was), not in a static
+        # graph (the lengths would be baked in).
         if not (
             len(lens.shape) == 1
             and paddle.in_dynamic_mode()
@@ -125,6 +123,12 @@ class PaddleOps:
     def copy(self, x):
         return x.clone()
 
+    def check_tensors(self, **tensors):
+        super().check_tensors(**tensors)
+        for arg, x in tensors.items():
+            if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
+                raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)")
+
 
 def _untracked(x) -> bool:
     """Whether autograd keeps no record of x (so the core may write into it)."""
@@ -132,22 +136,12 @@ def _untracked(x) -> bool:
 
 
 ops = PaddleOps()
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
+__getattr__ = layer_exports("paddle")
 
 # paddle.jit.to_static would transcribe every function a layer calls, the framework-free
-# core included, and trips on its plain Python; those modules run as Python instead.
-paddle.jit.ignore_module([_registry, core, functional, layers])
-
-
-def _tensors(**tensors: Any) -> None:
-    check_framework("paddle", **tensors)
-    for arg, x in tensors.items():
-        if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
-            raise core.InputDtypeError(
-                f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)"
-            )
-
-
-masked_softmax, dot_product_attention, additive_attention = bind(ops, _tensors)
+# modules included, and trips on their plain Python; those modules run as Python instead.
+paddle.jit.ignore_module([_registry, checks, core, functional, layers, protocol, strategies])
 
 
 def vjp(fn, args, cotangent):
@@ -172,61 +166,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     return np.array(tensor.detach().numpy())
 
 
-class DotProductAttention(nn.Layer):
-    """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
-
-    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
-        super().__init__()
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.need_weights = need_weights  # False: attention_weights is not kept
-        self.attention_weights: Optional[paddle.Tensor] = None
-
-    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, self.dropout, self.need_weights
-        )
-        return out
-
-
-class AdditiveAttention(CanonicalWeightsMixin, nn.Layer):
-    """Additive attention with ``nn.Linear(bias_attr=False)``; paddle stores weights (in, out)."""
-
-    def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias_attr=False)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias_attr=False)
-        self.w_v = nn.Linear(self.num_hiddens, 1, bias_attr=False)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights: Optional[paddle.Tensor] = None
-
-    def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.weight).T.copy(),
-            "W_k": to_numpy(self.W_k.weight).T.copy(),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
-
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            param = getattr(self, key).weight
-            layout = value.T if value.ndim == 2 else value[:, None]
-            param.set_value(paddle.to_tensor(np.ascontiguousarray(layout)).astype(param.dtype))
-
-    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, self.attention_weights = core.additive_attention(
-            ops,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            project_q=self.W_q,
-            project_k=self.W_k,
-            w_v=self.w_v.weight[:, 0],
-            query_size=self.query_size,
-            key_size=self.key_size,
-            dropout=self.dropout,
-        )
-        return out

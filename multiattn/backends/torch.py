@@ -1,9 +1,4 @@
-"""PyTorch backend: ``torch.nn.Module`` layers over the shared core.
-
-The layers keep d2l's attribute names (``W_q``, ``W_k``, ``w_v`` as
-``nn.Linear(bias=False)``, ``dropout`` as ``nn.Dropout``), so a state_dict
-saved from d2l's ``AdditiveAttention`` loads into ours and back.
-"""
+"""PyTorch backend: the ops of torch tensors (layers: ``multiattn.layers.torch``)."""
 
 from __future__ import annotations
 
@@ -11,28 +6,23 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-from torch import nn
 from torch.nn import functional as F
 
-from .. import core
-from .._registry import tensor_check
 from ..functional import bind
-from ..layers import CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from ..protocol import Ops, layer_exports
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
+DTYPE_NOTES: dict = {}
 
 _HALF = (torch.float16, torch.bfloat16)
 _KINDS: dict = {}  # dtype -> numpy kind letter, filled on first use (dtype checks run on every call)
 
 
-class TorchOps:
+class TorchOps(Ops):
     name = "torch"
-    # additive features in 2 MB float32 blocks: the sum, tanh and w_v product stay in the
-    # cores' L2 caches (2 MB each on the CI machine; 4 MB blocks took 10-30% longer), and
-    # half as many blocks as 1 MB ones save per-op costs (about 5% less time)
+    # additive features in 2 MB float32 blocks, to stay in a 2 MB L2 (benchmarks/RESULTS.md)
     feature_block_elements = 1 << 19
-    # SDPA's fixed cost: below ~64K scores the unfused math is faster on CPU (toy size:
-    # 0.11 vs 0.07 ms; (8, 64, 64): 0.59 vs 0.51 ms; (8, 128, 128): 0.55 vs 0.60 ms)
+    # below about 64K scores SDPA's fixed cost exceeds the unfused math's on CPU
     fused_min_scores = 1 << 16
 
     def shape(self, x):
@@ -85,8 +75,7 @@ class TorchOps:
             # the product with w_v may keep each block for its backward (even when a and
             # b need no gradient), so blocks share memory only under no_grad/inference_mode
             return torch.tanh(a + b)
-        # One buffer for all blocks stays in cache and off the allocator: additive attention
-        # took 0.6-0.7x instead of 1.0x the textbook's time in a fresh process on the CI machine.
+        # one buffer for all blocks stays in cache and off the allocator
         if dead is not None and dead.shape == _sum_shape(a, b):
             try:
                 return torch.add(a, b, out=dead).tanh_()
@@ -100,12 +89,10 @@ class TorchOps:
         return torch.softmax(x, dim=-1)
 
     def softmax_owned(self, x):
-        # The weights take the scores' memory: no new (B, Q, K) tensor to allocate and
-        # page in (medium: 0.93x the time with the allocator warm, less with glibc's
-        # defaults).  The CPU kernel reads each element before writing it (a test checks
-        # the result; GPU kernels are untested here, so they keep their own output).  Not
-        # where autograd needs x (out= has no backward), in half types (float32 math), or
-        # under a compiler (which plans its own buffers).
+        # The weights take the scores' memory: no new (B, Q, K) tensor to page in.  CPU only
+        # (its kernel reads each element before writing it; a test checks), not where
+        # autograd needs x (out= has no backward), in half types (float32 math), or under a
+        # compiler (which plans its own buffers).
         if (
             x.numel() < SMALL_ELEMENTS  # first: the cheapest test, and the toy sizes' answer
             or not x.is_cpu
@@ -138,24 +125,23 @@ class TorchOps:
         return _LOWEST[x.dtype]
 
     def where_owned(self, mask, x, fill):
-        # x is the core's own intermediate: fill it in place unless autograd tracks it
-        # (saves a (B, Q, K) allocation and a pass; softmax's backward needs its output).
-        # Small x: one torch.where costs less than inverting the mask and filling.
+        # in place unless autograd tracks x; small x: one torch.where costs less than ~mask and a fill
         if x.numel() < SMALL_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
             return torch.where(mask, x, _constant(fill, x))
-        return x.masked_fill_(~mask, fill)  # 3-4x faster than torch.where(..., out=x) at (4, 2048, 2048)
+        return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x)
 
     def host_lengths(self, x, lens):
-        # On CPU the lengths are free to read, and writing only the padding (one slice per
-        # sequence) beats a masked pass over every score: 0.13 vs 0.56 ms at (8, 512, 512).
+        # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
         return _sliceable_lengths(x, lens)
 
     def copy(self, x):
         return x.clone()
 
+    def can_fuse(self, queries, keys, values):
+        return True
+
     def fused_attention(self, queries, keys, values, mask, scale):
-        # A heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (2x faster at
-        # (8, 512, 512, 64) than the 3-D call, which falls back to its math path).
+        # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
         out = F.scaled_dot_product_attention(
             queries.unsqueeze(1),
             keys.unsqueeze(1),
@@ -236,12 +222,8 @@ def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
 
 
 ops = TorchOps()
-
-
-_tensors = tensor_check("torch")
-
-
 masked_softmax, dot_product_attention, additive_attention = bind(ops)
+__getattr__ = layer_exports("torch")
 
 
 def vjp(fn, args, cotangent):
@@ -266,74 +248,3 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     return tensor.numpy().copy()
 
 
-class DotProductAttention(nn.Module):
-    """Scaled dot-product attention; dropout on the weights in training mode only."""
-
-    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.need_weights = need_weights  # False: fused SDPA kernel, attention_weights stays None
-        self.attention_weights: Optional[torch.Tensor] = None
-
-    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        dropout = self.dropout if self.training and self.dropout.p > 0 else None
-        out, self.attention_weights = core.dot_product_attention(
-            ops, queries, keys, values, valid_lens, dropout, self.need_weights
-        )
-        return out
-
-
-class AdditiveAttention(CanonicalWeightsMixin, nn.Module):
-    """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
-
-    def __init__(
-        self,
-        key_size: int,
-        query_size: int,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        linear = dict(bias=False, device=device, dtype=dtype)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.w_v = nn.Linear(self.num_hiddens, 1, **linear)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights: Optional[torch.Tensor] = None
-
-    def _read_weights(self) -> CanonicalWeights:
-        # nn.Linear stores (out, in): W_q and W_k are already canonical.
-        return {
-            "W_q": to_numpy(self.W_q.weight),
-            "W_k": to_numpy(self.W_k.weight),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
-
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        with torch.no_grad():
-            for key, value in weights.items():
-                param = getattr(self, key).weight
-                param.copy_(torch.from_numpy(value).reshape(param.shape))
-
-    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
-        _tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        out, self.attention_weights = core.additive_attention(
-            ops,
-            queries,
-            keys,
-            values,
-            valid_lens,
-            project_q=self.W_q,
-            project_k=self.W_k,
-            w_v=self.w_v.weight[0],
-            query_size=self.query_size,
-            key_size=self.key_size,
-            dropout=self.dropout,
-        )
-        return out

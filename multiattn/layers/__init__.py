@@ -1,4 +1,6 @@
-"""What every adapter's layer classes share: argument checks and canonical weights.
+"""The framework-native layer classes, one module per framework (``multiattn.layers.torch``,
+...), and what they all share: argument checks, canonical weights and the call into
+``multiattn.strategies`` (``AttentionCall``).
 
 The canonical (math) layout of the additive weights is the one of d2l's
 formula a(q, k) = w_v^T tanh(W_q q + W_k k):
@@ -9,9 +11,12 @@ Adapters only say how to read and write their own parameters in that layout.
 from __future__ import annotations
 
 import numbers
-from typing import Any, Dict, Mapping
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
+
+from .. import strategies
+from ..protocol import Ops, Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
 CanonicalWeights = Dict[str, np.ndarray]
@@ -91,3 +96,36 @@ class CanonicalWeightsMixin:
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Load weights given in the canonical layout (see get_weights)."""
         self._write_weights(canonical_weights(weights, self.key_size, self.query_size, self.num_hiddens))
+
+
+class AttentionCall:
+    """The call from a layer into the strategies, shared by every framework's classes.
+
+    A framework's layers set ``_ops`` (the backend's ``Ops``); additive layers also
+    define ``_projections(queries)``: (W_q as a function, W_k as a function, w_v (h,)),
+    in the queries' dtype.
+    """
+
+    _ops: Ops
+    query_size: Optional[int] = None
+    key_size: Optional[int] = None
+
+    def _projections(self, queries: Tensor) -> Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], Tensor]:
+        raise NotImplementedError
+
+    def _dot_product(self, queries, keys, values, valid_lens, dropout, need_weights=True):
+        """(output, weights or None) of dot-product attention."""
+        self._ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        return strategies.dot_product_attention(
+            self._ops, queries, keys, values, valid_lens, dropout, need_weights
+        )
+
+    def _additive(self, queries, keys, values, valid_lens, dropout):
+        """(output, weights) of additive attention with this layer's parameters."""
+        self._ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        project_q, project_k, w_v = self._projections(queries)
+        return strategies.additive_attention(
+            self._ops, queries, keys, values, valid_lens,
+            project_q=project_q, project_k=project_k, w_v=w_v,
+            query_size=self.query_size, key_size=self.key_size, dropout=dropout,
+        )  # fmt: skip

@@ -1,0 +1,107 @@
+"""Array API backend: any library that follows the Python Array API standard (array-api-strict,
+CuPy, Dask, ndonnx, ...), through ``array-api-compat``.  Functions only, no layer classes.
+
+Each call finds the namespace of its tensors (``array_namespace``).  ``from_numpy`` makes
+arrays of ``namespace`` (array-api-strict unless ``use_namespace`` says otherwise).  The
+standard has no float16/bfloat16 and no autodiff.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+from array_api_compat import array_namespace, device
+
+from ..functional import bind
+from ..protocol import Ops
+
+SUPPORTED_DTYPES = ("float32", "float64")
+DTYPE_NOTES = {dtype: "the Array API standard has no " + dtype for dtype in ("float16", "bfloat16")}
+_KINDS = (("bool", "b"), ("real floating", "f"), ("signed integer", "i"), ("unsigned integer", "u"))
+
+
+class ArrayApiOps(Ops):
+    name = "array_api"
+
+    def shape(self, x):
+        return tuple(x.shape)
+
+    def dtype_kind(self, x):
+        xp = array_namespace(x)
+        return next((kind for kinds, kind in _KINDS if xp.isdtype(x.dtype, kinds)), "c")
+
+    def zeros(self, shape, like):
+        return array_namespace(like).zeros(shape, dtype=like.dtype, device=device(like))
+
+    def any(self, mask, axis):
+        return array_namespace(mask).any(mask, axis=axis, keepdims=True)
+
+    def expand_dims(self, x, axis):
+        return array_namespace(x).expand_dims(x, axis=axis)
+
+    def matrix_transpose(self, x):
+        return array_namespace(x).matrix_transpose(x)
+
+    def concat(self, xs, axis):
+        return array_namespace(*xs).concat(xs, axis=axis)
+
+    def matmul(self, a, b):
+        return array_namespace(a, b).matmul(a, b)
+
+    def matmul_t(self, a, b):
+        xp = array_namespace(a, b)
+        return xp.matmul(a, xp.matrix_transpose(b))
+
+    def tanh(self, x):
+        return array_namespace(x).tanh(x)
+
+    def softmax(self, x):
+        xp = array_namespace(x)
+        e = xp.exp(x - xp.max(x, axis=-1, keepdims=True))
+        return e / xp.sum(e, axis=-1, keepdims=True)
+
+    def length_mask(self, x, lens, axis=-1):
+        xp = array_namespace(x, lens)
+        # the standard does not promote integers against floats: compare in lens' kind
+        dtype = lens.dtype if xp.isdtype(lens.dtype, "real floating") else xp.int64
+        positions = xp.arange(x.shape[axis], dtype=dtype, device=device(x))
+        lens = xp.astype(lens, dtype)
+        per_row = xp.reshape(lens, (lens.shape[0], -1, 1))  # (B, 1|Q, 1)
+        return positions < per_row
+
+    def where(self, mask, x, fill):
+        xp = array_namespace(x)
+        return xp.where(mask, x, xp.asarray(fill, dtype=x.dtype, device=device(x)))
+
+    def lowest(self, x):
+        return float(array_namespace(x).finfo(x.dtype).min)
+
+
+ops = ArrayApiOps()
+masked_softmax, dot_product_attention, additive_attention = bind(ops)
+vjp = None  # the standard has no autodiff
+
+namespace: Any = None  # the library from_numpy makes arrays of; array-api-strict by default
+
+
+def use_namespace(xp: Any) -> None:
+    """Make ``from_numpy`` build arrays of ``xp`` (an Array API namespace)."""
+    global namespace
+    namespace = xp
+
+
+def from_numpy(array: Any, dtype: Optional[str] = None) -> Any:
+    """A new array of ``namespace`` with the values of ``array``."""
+    global namespace
+    if namespace is None:
+        import array_api_strict
+
+        namespace = array_api_strict
+    array = np.array(array, dtype=dtype)
+    return namespace.asarray(array, dtype=getattr(namespace, str(array.dtype)))
+
+
+def to_numpy(tensor: Any) -> np.ndarray:
+    """A numpy copy, through DLPack (the standard's way out)."""
+    return np.array(np.from_dlpack(tensor))

@@ -1,0 +1,245 @@
+"""The entry points: check the arguments, pick one way to run the math, run it.
+
+Each strategy below is a whole step that gives what its ``core`` function gives
+(within the dtype's rounding; the tests hold each to ``core`` and to the float64
+reference), and each is chosen once per call, by the adapter's answers to the
+optional steps of ``protocol.Ops``:
+
+* **fused kernel** (``ops.can_fuse``): dot-product attention without weights or
+  dropout, at sizes from ``ops.fused_min_scores``;
+* **padding written directly** (``ops.host_lengths`` gives the lengths): the masked
+  scores and weights are set by ``ops.fill_padding`` (one slice per sequence, or the
+  framework's kernel) instead of two masked passes over every score;
+* **masked where in the scores' memory**: ``core``'s masked softmax with
+  ``where_owned``/``softmax_owned``, which may reuse the scores the core made itself;
+* **additive scores in blocks of queries** (above ``ops.feature_block_elements``):
+  the features of one block at a time, in the adapter's layout (``hiddens_innermost``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+from . import checks, core
+from .core import Dropout
+from .protocol import Ops, Tensor, clip_lengths
+
+
+def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
+    """``core.masked_softmax`` for the caller's X, which is never written."""
+    shape = checks.check_scores(ops, X, valid_lens)
+    if checks.is_empty(shape):
+        return ops.zeros(shape, X)
+    if valid_lens is not None:
+        lengths = _host_lengths(ops, X, valid_lens, shape[-1])
+        if lengths is not None:
+            return softmax_writing_padding(ops, ops.copy(X), lengths)
+    return core.masked_softmax(ops, X, valid_lens)
+
+
+def dot_product_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``core.dot_product_attention``; need_weights=False allows the fused kernel and
+    returns None for the weights."""
+    q_shape, k_shape, _ = checks.check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    if checks.is_empty(q_shape[:2] + k_shape[1:2]):
+        return _empty_attention(ops, queries, keys, values)
+    scale = 1.0 / math.sqrt(checks.check_known_width(q_shape))
+    if not need_weights and dropout is None and _fuses(ops, queries, keys, values, q_shape[0:2] + k_shape[1:2]):
+        return fused_attention(ops, queries, keys, values, valid_lens, scale), None
+    scores = ops.scaled_matmul_t(queries, keys, scale)
+    out, weights = attend(ops, scores, values, valid_lens, dropout, need_weights)
+    return out, (weights if need_weights else None)
+
+
+def additive_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    project_q: Callable[[Tensor], Tensor],
+    project_k: Callable[[Tensor], Tensor],
+    w_v: Tensor,
+    query_size: Any = None,
+    key_size: Any = None,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """``core.additive_attention`` with the projections W_q q, W_k k given as functions
+    (a layer's own linear maps); query_size/key_size: the widths they take."""
+    q_shape, k_shape, _ = checks.check_attention_inputs(
+        ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
+    )
+    if checks.is_empty(q_shape[:2] + k_shape[1:2]):
+        return _empty_attention(ops, queries, keys, values)
+    scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
+    return attend(ops, scores, values, valid_lens, dropout)
+
+
+def additive_attention_from_weights(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    W_q: Tensor,
+    W_k: Tensor,
+    w_v: Tensor,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
+    query_size, key_size = checks.check_additive_weights(ops, W_q, W_k, w_v)
+    return additive_attention(
+        ops, queries, keys, values, valid_lens,
+        project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
+        w_v=w_v, query_size=query_size, key_size=key_size, dropout=dropout,
+    )  # fmt: skip
+
+
+# -- the strategies -----------------------------------------------------------------------
+
+
+def attend(
+    ops: Ops,
+    scores: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """``core.attend`` for scores the core made itself (so they may be written).
+    need_weights=False: the weights may be inexact in rows where nothing is visible."""
+    if valid_lens is None:
+        weights = ops.softmax_owned(scores)
+    else:
+        lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
+        if lengths is not None:
+            weights = softmax_writing_padding(ops, scores, lengths)
+            values = _visible_values(ops, values, None, lengths)
+        else:
+            # Without the weights, per-sequence lengths need no exact zeros: the padded value
+            # rows are zeroed, so a row with nothing visible weighs only those, and gives 0.
+            exact = need_weights or len(ops.shape(valid_lens)) != 1
+            weights, mask = masked_softmax_in_place(ops, scores, valid_lens, exact)
+            values = _visible_values(ops, values, mask, None)
+    return core.attention_pooling(ops, weights, values, dropout), weights
+
+
+def softmax_writing_padding(ops: Ops, x: Tensor, lengths: list) -> Tensor:
+    """``core.masked_softmax`` of x, the core's own, with the padding written directly
+    (``ops.fill_padding``): the dtype's lowest before the softmax, 0 after it.  Every masked
+    score is the same, so a row's masked weights are equal and mostly 0 already (exp
+    underflows): the second fill skips those (uniform)."""
+    weights = ops.softmax_owned(ops.fill_padding(x, lengths, ops.lowest(x)))
+    return ops.fill_padding(weights, lengths, 0.0, uniform=True)
+
+
+def masked_softmax_in_place(ops: Ops, x: Tensor, valid_lens: Tensor, exact: bool = True) -> tuple[Tensor, Tensor]:
+    """(``core.masked_softmax`` of x, the core's own, each step allowed to reuse its memory;
+    the mask).  exact=False skips the final zeroing (see ``attend``)."""
+    mask = ops.length_mask(x, valid_lens)
+    weights = ops.softmax_owned(ops.where_owned(mask, x, ops.lowest(x)))
+    return (ops.where_owned(mask, weights, 0.0) if exact else weights), mask
+
+
+def fused_attention(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor, scale: float
+) -> Tensor:
+    """The output of ``core.dot_product_attention`` from the framework's fused kernel, with
+    the same guarantees: nothing from the padding reaches an output (kernels add the mask to
+    NaN scores), and fully masked rows are 0 (kernels spread them uniformly)."""
+    if valid_lens is None:
+        return ops.fused_attention(queries, keys, values, None, scale)
+    mask = ops.length_mask(keys, valid_lens, axis=1)  # (B, 1|Q, K)
+    lengths = _host_lengths(ops, keys, valid_lens, ops.shape(keys)[1])
+    keys = _visible_values(ops, keys, mask, lengths)
+    values = _visible_values(ops, values, mask, lengths)
+    return ops.where(mask[:, :, :1], ops.fused_attention(queries, keys, values, mask, scale), 0.0)
+
+
+def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -> Tensor:
+    """``core.additive_scores``, in blocks of queries of at most ``ops.feature_block_elements``
+    features, so that the extra memory stays a block instead of the whole feature tensor."""
+    batch, n_queries, hiddens = ops.shape(q_hidden)
+    per_query = (batch or 1) * (hiddens or 1) * (ops.shape(k_hidden)[1] or 1)
+    block = ops.feature_block_elements
+    if n_queries is None or n_queries * per_query <= block:
+        return core.additive_scores(ops, q_hidden, k_hidden, w_v)
+    return additive_scores_in_blocks(ops, q_hidden, k_hidden, w_v, max(1, block // per_query))
+
+
+def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, step: int) -> Tensor:
+    """``core.additive_scores`` block by block (``ops.map_query_blocks``), the features laid
+    out (B, q, h, K) by default: keys innermost, the sum adds one number to each row of keys
+    and w_v contracts as one (1, h) @ (h, K) product; d2l's (B, q, K, h) where the adapter
+    prefers it (``hiddens_innermost``)."""
+    if ops.hiddens_innermost:
+        k_side, q_axis = ops.expand_dims(k_hidden, 1), 2  # (B, 1, K, h)
+
+        def contract(features: Tensor) -> Tensor:  # (B, q, K, h) -> (B, q, K)
+            return ops.matmul(features, w_v)
+
+    else:
+        k_side, q_axis = ops.expand_dims(ops.matrix_transpose(k_hidden), 1), 3  # (B, 1, h, K)
+        w_row = ops.expand_dims(w_v, 0)  # (1, h)
+
+        def contract(features: Tensor) -> Tensor:  # (B, q, h, K) -> (B, q, K)
+            return ops.matmul(w_row, features)[:, :, 0, :]
+
+    features = None
+
+    def score_block(q_block: Tensor) -> Tensor:  # (B, q, h) -> (B, q, K)
+        nonlocal features  # the previous block's features are dead: tanh_of_sum may reuse them
+        features = ops.tanh_of_sum(ops.expand_dims(q_block, q_axis), k_side, features)
+        return contract(features)
+
+    return ops.map_query_blocks(score_block, q_hidden, step)
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+
+def _fuses(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, scores_shape: tuple) -> bool:
+    """The one predicate of the fused path: the kernel takes these inputs at this size."""
+    return _at_least(scores_shape, ops.fused_min_scores) and ops.can_fuse(queries, keys, values)
+
+
+def _host_lengths(ops: Ops, x: Tensor, valid_lens: Tensor, n_keys: Any) -> Optional[list]:
+    raw = ops.host_lengths(x, valid_lens)
+    return None if raw is None else clip_lengths(raw, n_keys)
+
+
+def _visible_values(ops: Ops, values: Tensor, mask: Optional[Tensor], lengths: Optional[list]) -> Tensor:
+    """``core.visible_values``; with host lengths (exact weights) a finite tensor needs no
+    zeroing, since 0 * x is 0, and the rows are zeroed by ``ops.zero_padded_rows`` otherwise."""
+    if lengths is None:
+        return core.visible_values(ops, values, mask)
+    return values if ops.all_finite(values) else ops.zero_padded_rows(values, lengths)
+
+
+def _at_least(shape: tuple, elements: int) -> bool:
+    """Whether a tensor of this shape has at least ``elements`` elements (unknown
+    dimensions, as in a symbolic graph, count as large)."""
+    total = 1
+    for size in shape:
+        if size is None:
+            return True
+        total *= size
+    return total >= elements
+
+
+def _empty_attention(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Some dimension is 0: outputs of the right shape without running any kernel (some
+    frameworks abort on empty tensors).  No keys at all: every row is fully masked, so 0."""
+    (batch, n_queries, _), n_keys, width = ops.shape(queries), ops.shape(keys)[1], ops.shape(values)[-1]
+    return ops.zeros((batch, n_queries, width), values), ops.zeros((batch, n_queries, n_keys), values)

@@ -1,0 +1,115 @@
+"""Every strategy against the math module (multiattn.core) and the independent float64
+reference: forced on each backend that can take it, at the matrix's small sizes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from multiattn import core, strategies
+from multiattn.protocol import Ops, clip_lengths
+
+from . import reference as ref
+from .test_matrix import lengths
+from .tolerances import assert_close
+
+DTYPES = ["float32", "float64"]
+MASKS = ["none", "1d", "2d"]
+B, Q, K, D, V, H = 3, 4, 7, 5, 2, 6
+
+
+def _case(bk, dtype, mask, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = {
+        "q": rng.normal(size=(B, Q, D)), "k": rng.normal(size=(B, K, D)), "v": rng.normal(size=(B, K, V)),
+        "X": rng.normal(size=(B, Q, K)), "W_q": rng.normal(size=(H, D)), "W_k": rng.normal(size=(H, D)),
+        "w_v": rng.normal(size=(H,)),
+    }  # fmt: skip
+    lens = lengths(mask, B, Q, K, rng)
+    tensors = {name: bk.tensor(a, dtype) for name, a in arrays.items()}
+    rounded = {name: bk.numpy(t).astype(np.float64) for name, t in tensors.items()}
+    return tensors, rounded, lens, None if lens is None else bk.tensor(lens)
+
+
+def _both(bk, got, math_result, want, dtype):
+    """The strategy agrees with the math module's function and with the reference."""
+    assert_close(bk, got, want, dtype)
+    assert_close(bk, math_result, want, dtype)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_entry_points_equal_the_math_module(bk, dtype, mask):
+    t, a, lens, lens_t = _case(bk, dtype, mask)
+    ops = bk.module.ops
+    _both(
+        bk, strategies.masked_softmax(ops, t["X"], lens_t), core.masked_softmax(ops, t["X"], lens_t),
+        ref.masked_softmax(a["X"], lens), dtype,
+    )  # fmt: skip
+    for need_weights in (True, False):
+        got, _ = strategies.dot_product_attention(ops, t["q"], t["k"], t["v"], lens_t, need_weights=need_weights)
+        math_out, _ = core.dot_product_attention(ops, t["q"], t["k"], t["v"], lens_t)
+        _both(bk, got, math_out, ref.dot_product_attention(a["q"], a["k"], a["v"], lens)[0], dtype)
+    weights = {name: t[name] for name in ("W_q", "W_k", "w_v")}
+    got, got_w = strategies.additive_attention_from_weights(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    math_out, math_w = core.additive_attention(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    want, want_w = ref.additive_attention(a["q"], a["k"], a["v"], lens, a["W_q"], a["W_k"], a["w_v"])
+    _both(bk, got, math_out, want, dtype)
+    _both(bk, got_w, math_w, want_w, dtype)
+
+
+@pytest.mark.parametrize("exact", [True, False])
+@pytest.mark.parametrize("mask", ["1d", "2d"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masked_where_in_the_scores_memory(bk, dtype, mask, exact):
+    t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
+    ops = bk.module.ops
+    got, _ = strategies.masked_softmax_in_place(ops, ops.copy(t["X"]), lens_t, exact)
+    want = ref.masked_softmax(a["X"], lens)
+    if not exact:  # rows where nothing is visible stay uniform over the padding (attend's contract)
+        visible = np.array([[ref.valid_count(n, K) for n in row] for row in np.broadcast_to(
+            lens.reshape(B, -1), (B, Q))])  # fmt: skip
+        want = np.where(visible[:, :, None] == 0, 1.0 / K, want)
+    _both(bk, got, core.masked_softmax(ops, t["X"], lens_t) if exact else got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_padding_written_directly(bk, dtype):
+    ops = bk.module.ops
+    if type(ops).host_lengths is Ops.host_lengths:
+        pytest.skip(f"{bk.name} never reads lengths on the host (its strategies: the masked where)")
+    t, a, lens, lens_t = _case(bk, dtype, "1d", seed=2)
+    host = clip_lengths(np.asarray(lens).tolist(), K)
+    got = strategies.softmax_writing_padding(ops, ops.copy(t["X"]), host)
+    _both(bk, got, core.masked_softmax(ops, t["X"], lens_t), ref.masked_softmax(a["X"], lens), dtype)
+    values = bk.numpy(ops.zero_padded_rows(t["v"], host))
+    for b, n in enumerate(host):
+        assert (values[b, n:] == 0).all() and (values[b, :n] == a["v"][b, :n]).all()
+
+
+@pytest.mark.parametrize("hiddens_innermost", [False, True])
+@pytest.mark.parametrize("step", [1, 3, Q])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, monkeypatch):
+    ops = bk.module.ops
+    monkeypatch.setattr(ops, "hiddens_innermost", hiddens_innermost)
+    t, a, _, _ = _case(bk, dtype, "none", seed=3)
+    q_hidden, k_hidden = ops.matmul_t(t["q"], t["W_q"]), ops.matmul_t(t["k"], t["W_k"])
+    got = strategies.additive_scores_in_blocks(ops, q_hidden, k_hidden, t["w_v"], step)
+    want = ref.additive_scores(a["q"], a["k"], a["W_q"], a["W_k"], a["w_v"])
+    _both(bk, got, core.additive_scores(ops, q_hidden, k_hidden, t["w_v"]), want, dtype)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_kernel(bk, dtype, mask, monkeypatch):
+    if hasattr(bk.module, "FUSED_ON_CPU"):
+        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
+    ops = bk.module.ops
+    t, a, lens, lens_t = _case(bk, dtype, mask, seed=4)
+    q, k, v = t["q"], t["k"], bk.tensor(np.random.default_rng(5).normal(size=(B, K, D)), dtype)
+    if not ops.can_fuse(q, k, v):
+        pytest.skip(f"{bk.name} has no fused kernel for {dtype} here (its can_fuse)")
+    got = strategies.fused_attention(ops, q, k, v, lens_t, 1 / np.sqrt(D))
+    want = ref.dot_product_attention(a["q"], a["k"], bk.numpy(v).astype(np.float64), lens)[0]
+    _both(bk, got, core.dot_product_attention(ops, q, k, v, lens_t)[0], want, dtype)
