@@ -243,9 +243,11 @@ def main() -> int:
     if not args.system_allocator:
         ENV.update(STEADY_ALLOCATOR)
     # array_api has no textbook to compare with (d2l has no Array API version)
-    backends = args.backends.split(",") if args.backends else [
-        name for name in installed_backends() if name != "array_api"
-    ]
+    backends = (
+        args.backends.split(",")
+        if args.backends
+        else [name for name in installed_backends() if name != "array_api"]
+    )
     sizes = args.sizes.split(",")
     results = {}
     for backend in backends:

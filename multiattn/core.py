@@ -66,7 +66,12 @@ def attend(
 
 
 def dot_product_attention(
-    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor = None, dropout: Dropout = None
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    dropout: Dropout = None,
 ) -> tuple[Tensor, Tensor]:
     """softmax(Q K^T / sqrt(d)) V, masked: (output (B, Q, v), weights (B, Q, K))."""
     return attend(ops, dot_product_scores(ops, queries, keys), values, valid_lens, dropout)

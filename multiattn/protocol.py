@@ -253,7 +253,13 @@ def clip_lengths(raw: list, n_keys: int) -> List[Any]:
     j < length, so 2.5 shows 3 (ceil), lengths <= 0 and NaN show none (j < NaN is false),
     lengths past the end show all.  raw: one number per row, or a list per row."""
     return [
-        clip_lengths(n, n_keys) if isinstance(n, list) else 0 if not n > 0 else n_keys if n >= n_keys else math.ceil(n)
+        clip_lengths(n, n_keys)
+        if isinstance(n, list)
+        else 0
+        if not n > 0
+        else n_keys
+        if n >= n_keys
+        else math.ceil(n)
         for n in raw
     ]
 

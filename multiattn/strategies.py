@@ -49,11 +49,17 @@ def dot_product_attention(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``core.dot_product_attention``; need_weights=False allows the fused kernel and
     returns None for the weights."""
-    q_shape, k_shape, _ = checks.check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    q_shape, k_shape, _ = checks.check_attention_inputs(
+        ops, queries, keys, values, valid_lens, same_width=True
+    )
     if checks.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
     scale = 1.0 / math.sqrt(checks.check_known_width(q_shape))
-    if not need_weights and dropout is None and _fuses(ops, queries, keys, values, q_shape[0:2] + k_shape[1:2]):
+    if (
+        not need_weights
+        and dropout is None
+        and _fuses(ops, queries, keys, values, q_shape[0:2] + k_shape[1:2])
+    ):
         return fused_attention(ops, queries, keys, values, valid_lens, scale), None
     scores = ops.scaled_matmul_t(queries, keys, scale)
     out, weights = attend(ops, scores, values, valid_lens, dropout, need_weights)
@@ -144,7 +150,9 @@ def softmax_writing_padding(ops: Ops, x: Tensor, lengths: list) -> Tensor:
     return ops.fill_padding(weights, lengths, 0.0, uniform=True)
 
 
-def masked_softmax_in_place(ops: Ops, x: Tensor, valid_lens: Tensor, exact: bool = True) -> tuple[Tensor, Tensor]:
+def masked_softmax_in_place(
+    ops: Ops, x: Tensor, valid_lens: Tensor, exact: bool = True
+) -> tuple[Tensor, Tensor]:
     """(``core.masked_softmax`` of x, the core's own, each step allowed to reuse its memory;
     the mask).  exact=False skips the final zeroing (see ``attend``)."""
     mask = ops.length_mask(x, valid_lens)

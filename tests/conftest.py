@@ -65,7 +65,9 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter):
     for name, count in _WITHOUT_LAYERS.items():
-        terminalreporter.write_line(f"multiattn: {count} tests of layer classes deselected for {name}, which has none")
+        terminalreporter.write_line(
+            f"multiattn: {count} tests of layer classes deselected for {name}, which has none"
+        )
 
 
 def backends_under_test() -> list[str]:

@@ -99,6 +99,7 @@ def test_get_backend_returns_the_backend_module(bk):
     assert isinstance(bk.module.ops, Ops) and bk.module.ops.name == bk.name
 
 
+@pytest.mark.backend("array_api")
 def test_a_backend_without_layer_classes_says_so(monkeypatch):
     monkeypatch.setenv("MULTIATTN_BACKEND", "array_api")
     with pytest.raises(AttributeError, match="the array_api backend has no layer classes"):
@@ -163,7 +164,8 @@ def test_the_installed_package_is_complete(tmp_path):
     # run outside the checkout, so the installed distribution is imported, not the source tree
     code = (
         "import importlib, importlib.resources, multiattn\n"
-        "for m in ['core', 'protocol', 'functional', 'layers', 'reference', 'plot', 'cli', 'demo',\n"
+        "for m in ['core', 'checks', 'strategies', 'protocol', 'functional', 'layers', 'layers.numpy',\n"
+        "          'reference', 'plot', 'cli', 'demo',\n"
         "          'check', 'check.cases', 'check.worker', 'check.table', 'backends.numpy']:\n"
         "    importlib.import_module('multiattn.' + m)\n"
         "assert importlib.resources.files('multiattn').joinpath('py.typed').is_file()\n"

@@ -568,12 +568,12 @@ def test_mxnet_padding_fill_writes_only_into_the_cores_own_scores():
     want = x.copy()
     want[0, :, 2:], want[1, :, 4:] = -7.0, -7.0
 
-    callers = mnp.array(x, dtype="float32")
-    got = m.ops.fill_padding(callers, lens, -7.0, owned=False)
-    np.testing.assert_allclose(callers.asnumpy(), x, rtol=1e-6)  # the caller's x untouched
-    np.testing.assert_allclose(got.asnumpy(), want, rtol=1e-6)
-
-    own = mnp.array(x, dtype="float32")
-    got = m.ops.fill_padding(own, lens, -7.0, owned=True)
-    assert got is own  # written in place: no (B, Q, K) copy
+    own = mnp.array(x, dtype="float32")  # the core's own scores: written in place, no copy
+    got = m.ops.fill_padding(own, [2, 4], -7.0)
+    assert got is own
     np.testing.assert_allclose(own.asnumpy(), want, rtol=1e-6)
+
+    callers = mnp.array(x, dtype="float32")  # the caller's X: masked_softmax leaves it alone
+    weights = m.masked_softmax(callers, lens)
+    np.testing.assert_allclose(callers.asnumpy(), x, rtol=1e-6)
+    assert (weights.asnumpy()[0, :, 2:] == 0).all() and (weights.asnumpy()[1, :, 4:] == 0).all()

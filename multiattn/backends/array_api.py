@@ -82,7 +82,10 @@ ops = ArrayApiOps()
 masked_softmax, dot_product_attention, additive_attention = bind(ops)
 vjp = None  # the standard has no autodiff
 
-namespace: Any = None  # the library from_numpy makes arrays of; array-api-strict by default
+try:  # the library from_numpy makes arrays of: the standard's reference namespace by default
+    import array_api_strict as namespace
+except ImportError:  # pragma: no cover - any other Array API library, via use_namespace
+    namespace = None
 
 
 def use_namespace(xp: Any) -> None:
@@ -93,11 +96,10 @@ def use_namespace(xp: Any) -> None:
 
 def from_numpy(array: Any, dtype: Optional[str] = None) -> Any:
     """A new array of ``namespace`` with the values of ``array``."""
-    global namespace
     if namespace is None:
-        import array_api_strict
-
-        namespace = array_api_strict
+        raise ImportError(
+            "from_numpy needs array-api-strict (pip install array-api-strict) or use_namespace(xp)"
+        )
     array = np.array(array, dtype=dtype)
     return namespace.asarray(array, dtype=getattr(namespace, str(array.dtype)))
 

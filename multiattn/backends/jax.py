@@ -144,5 +144,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == jnp.bfloat16:
         tensor = tensor.astype(jnp.float32)
     return np.array(tensor)
-
-

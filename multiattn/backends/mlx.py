@@ -122,5 +122,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == mx.bfloat16:
         tensor = tensor.astype(mx.float32)
     return np.array(tensor)
-
-

@@ -47,6 +47,8 @@ class MxnetOps(Ops):
         return np.expand_dims(x, axis)
 
     def matrix_transpose(self, x):
+        if x.dtype == onp.bool_:  # mxnet's swapaxes has no bool kernel
+            return np.swapaxes(x.astype("int8"), -1, -2).astype("bool")
         return np.swapaxes(x, -1, -2)
 
     def concat(self, xs, axis):
@@ -169,5 +171,3 @@ def from_numpy(array: Any, dtype: Optional[str] = None) -> np.ndarray:
 
 def to_numpy(tensor: Any) -> onp.ndarray:
     return onp.array(tensor.asnumpy())
-
-

@@ -127,7 +127,9 @@ class PaddleOps(Ops):
         super().check_tensors(**tensors)
         for arg, x in tensors.items():
             if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
-                raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)")
+                raise InputDtypeError(
+                    f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)"
+                )
 
 
 def _untracked(x) -> bool:
@@ -164,5 +166,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == paddle.bfloat16:
         tensor = tensor.astype("float32")
     return np.array(tensor.detach().numpy())
-
-

@@ -150,5 +150,3 @@ def to_numpy(tensor: Any) -> np.ndarray:
     if tensor.dtype == tf.bfloat16:
         tensor = tf.cast(tensor, tf.float32)
     return np.array(tensor.numpy())
-
-

@@ -246,5 +246,3 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.float()
     return tensor.numpy().copy()
-
-

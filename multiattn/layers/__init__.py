@@ -72,6 +72,17 @@ def canonical_weights(
     return out
 
 
+def canonical_from_stored(
+    W_q: Any, W_k: Any, w_v: Any, to_numpy: Callable[[Any], np.ndarray], stored_in_out: bool
+) -> CanonicalWeights:
+    """The canonical dict from a layer's own parameters, stored (out, in) as torch, mlx and
+    mxnet do, or (in, out) as Keras, flax and paddle do (stored_in_out); w_v any shape."""
+    W_q, W_k = to_numpy(W_q), to_numpy(W_k)
+    if stored_in_out:
+        W_q, W_k = W_q.T, W_k.T
+    return {"W_q": np.array(W_q), "W_k": np.array(W_k), "w_v": np.array(to_numpy(w_v)).reshape(-1)}
+
+
 class CanonicalWeightsMixin:
     """get_weights()/set_weights() in the canonical layout, for every adapter.
 
@@ -110,7 +121,9 @@ class AttentionCall:
     query_size: Optional[int] = None
     key_size: Optional[int] = None
 
-    def _projections(self, queries: Tensor) -> Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], Tensor]:
+    def _projections(
+        self, queries: Tensor
+    ) -> Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], Tensor]:
         raise NotImplementedError
 
     def _dot_product(self, queries, keys, values, valid_lens, dropout, need_weights=True):

@@ -16,7 +16,14 @@ from flax import nnx
 from flax.errors import TraceContextError
 
 from ..backends.jax import ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class _Module(AttentionCall, nnx.Module):
@@ -54,7 +61,9 @@ class DotProductAttention(_Module):
     def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
         dropping = not self.dropout.deterministic and self.dropout.rate > 0
         dropout = self.dropout if dropping else None
-        result = self._dot_product(queries, keys, values, valid_lens, dropout, self.need_weights or return_weights)
+        result = self._dot_product(
+            queries, keys, values, valid_lens, dropout, self.need_weights or return_weights
+        )
         return self._finish(result, return_weights)
 
 
@@ -80,11 +89,9 @@ class AdditiveAttention(CanonicalWeightsMixin, _Module):
         self.w_v = nnx.Linear(self.num_hiddens, 1, **linear)
 
     def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.kernel[...]).T.copy(),
-            "W_k": to_numpy(self.W_k.kernel[...]).T.copy(),
-            "w_v": to_numpy(self.w_v.kernel[...]).reshape(-1),
-        }
+        return canonical_from_stored(
+            *(layer.kernel[...] for layer in (self.W_q, self.W_k, self.w_v)), to_numpy, stored_in_out=True
+        )
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():

@@ -8,7 +8,14 @@ import mlx.core as mx
 from mlx import nn
 
 from ..backends.mlx import from_numpy, ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class DotProductAttention(AttentionCall, nn.Module):
@@ -54,11 +61,9 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
         return self._attention_weights
 
     def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.weight),
-            "W_k": to_numpy(self.W_k.weight),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
+        return canonical_from_stored(
+            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=False
+        )
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():

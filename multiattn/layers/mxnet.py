@@ -9,7 +9,14 @@ from mxnet import np
 from mxnet.gluon import nn
 
 from ..backends.mxnet import ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class DotProductAttention(AttentionCall, nn.Block):
@@ -53,11 +60,9 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Block):
         self.initialize()
 
     def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.weight.data()),
-            "W_k": to_numpy(self.W_k.weight.data()),
-            "w_v": to_numpy(self.w_v.weight.data()).reshape(-1),
-        }
+        return canonical_from_stored(
+            *(layer.weight.data() for layer in (self.W_q, self.W_k, self.w_v)), to_numpy, stored_in_out=False
+        )
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():

@@ -5,12 +5,18 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-
-from ..backends.paddle import ops, to_numpy  # first: it guards the paddle import
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
-
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
+
+from ..backends.paddle import ops, to_numpy  # first: it guards the paddle import
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class DotProductAttention(AttentionCall, nn.Layer):
@@ -46,11 +52,9 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
         self.attention_weights: Optional[paddle.Tensor] = None
 
     def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q.weight).T.copy(),
-            "W_k": to_numpy(self.W_k.weight).T.copy(),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
+        return canonical_from_stored(
+            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=True
+        )
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():

@@ -14,7 +14,14 @@ import numpy as np
 import tensorflow as tf
 
 from ..backends.tensorflow import keras, ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class _Layer(AttentionCall, keras.layers.Layer):
@@ -71,11 +78,7 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         self.built = True
 
     def _read_weights(self) -> CanonicalWeights:
-        return {
-            "W_q": to_numpy(self.W_q).T.copy(),
-            "W_k": to_numpy(self.W_k).T.copy(),
-            "w_v": to_numpy(self.w_v).reshape(-1),
-        }
+        return canonical_from_stored(self.W_q, self.W_k, self.w_v, to_numpy, stored_in_out=True)
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
@@ -100,10 +103,16 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     def _projections(self, queries):
         dtype = queries.dtype
         W_q, W_k = tf.cast(self.W_q, dtype), tf.cast(self.W_k, dtype)
-        return (lambda q: ops.matmul(q, W_q)), (lambda k: ops.matmul(k, W_k)), tf.reshape(tf.cast(self.w_v, dtype), [-1])
+        return (
+            (lambda q: ops.matmul(q, W_q)),
+            (lambda k: ops.matmul(k, W_k)),
+            tf.reshape(tf.cast(self.w_v, dtype), [-1]),
+        )
 
     def call(self, queries, keys, values, valid_lens=None, training=None):
-        out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self._dropout(training))
+        out, self.attention_weights = self._additive(
+            queries, keys, values, valid_lens, self._dropout(training)
+        )
         return out
 
     def get_config(self):

@@ -13,7 +13,14 @@ import torch
 from torch import nn
 
 from ..backends.torch import ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AttentionCall,
+    CanonicalWeights,
+    CanonicalWeightsMixin,
+    canonical_from_stored,
+    check_dropout,
+    check_sizes,
+)
 
 
 class DotProductAttention(AttentionCall, nn.Module):
@@ -61,12 +68,9 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
         self.attention_weights: Optional[torch.Tensor] = None
 
     def _read_weights(self) -> CanonicalWeights:
-        # nn.Linear stores (out, in): W_q and W_k are already canonical.
-        return {
-            "W_q": to_numpy(self.W_q.weight),
-            "W_k": to_numpy(self.W_k.weight),
-            "w_v": to_numpy(self.w_v.weight).reshape(-1),
-        }
+        return canonical_from_stored(
+            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=False
+        )
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         with torch.no_grad():
