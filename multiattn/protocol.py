@@ -127,9 +127,10 @@ class Ops:
             return self.matmul_t(a * scale, b)  # scale the smaller operand
         return self.matmul_t(a, b) * scale
 
-    def tanh_of_sum(self, a: Tensor, b: Tensor, dead: Optional[Tensor]) -> Tensor:
-        """``tanh(a + b)`` (broadcast).  dead is None or this method's result of the previous
-        call, no longer used: an adapter may write the new result into its memory."""
+    def tanh_of_sum(self, a: Tensor, b: Tensor, buffers: list) -> Tensor:
+        """``tanh(a + b)`` (broadcast).  buffers: a list that lives for one call's blocks,
+        where an adapter may keep its result, no longer used once the next block comes, to
+        write the next result into its memory (the default keeps nothing)."""
         return self.tanh(a + b)
 
     def map_query_blocks(self, score_block: Callable[[Tensor], Tensor], queries: Tensor, step: int) -> Tensor:

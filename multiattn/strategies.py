@@ -204,12 +204,10 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
         def contract(features: Tensor) -> Tensor:  # (B, q, h, K) -> (B, q, K)
             return ops.matmul(w_row, features)[:, :, 0, :]
 
-    features = None
+    buffers: list = []  # where tanh_of_sum may keep a dead block's features to reuse
 
     def score_block(q_block: Tensor) -> Tensor:  # (B, q, h) -> (B, q, K)
-        nonlocal features  # the previous block's features are dead: tanh_of_sum may reuse them
-        features = ops.tanh_of_sum(ops.expand_dims(q_block, q_axis), k_side, features)
-        return contract(features)
+        return contract(ops.tanh_of_sum(ops.expand_dims(q_block, q_axis), k_side, buffers))
 
     return ops.map_query_blocks(score_block, q_hidden, step)
 

@@ -70,18 +70,23 @@ class TorchOps(Ops):
     def tanh(self, x):
         return torch.tanh(x)
 
-    def tanh_of_sum(self, a, b, dead):
+    def tanh_of_sum(self, a, b, buffers):
         if torch.is_grad_enabled():
             # the product with w_v may keep each block for its backward (even when a and
             # b need no gradient), so blocks share memory only under no_grad/inference_mode
             return torch.tanh(a + b)
         # one buffer for all blocks stays in cache and off the allocator
+        dead = buffers.pop() if buffers else None
+        features = None
         if dead is not None and dead.shape == _sum_shape(a, b):
             try:
-                return torch.add(a, b, out=dead).tanh_()
+                features = torch.add(a, b, out=dead).tanh_()
             except RuntimeError:  # torch.func.vmap has no batching rule for out=
                 pass
-        return (a + b).tanh_()
+        if features is None:
+            features = (a + b).tanh_()
+        buffers.append(features)
+        return features
 
     def softmax(self, x):
         if x.dtype in _HALF:
