@@ -20,7 +20,7 @@ _KINDS: dict = {}  # dtype -> numpy kind letter, filled on first use (dtype chec
 
 class TorchOps(Ops):
     name = "torch"
-    # additive features in 2 MB float32 blocks, to stay in a 2 MB L2 (benchmarks/RESULTS.md)
+    # additive features in 2 MB float32 blocks, tuned for a 2 MB L2
     feature_block_elements = 1 << 19
     # below about 64K scores SDPA's fixed cost exceeds the unfused math's on CPU
     fused_min_scores = 1 << 16
@@ -112,7 +112,7 @@ class TorchOps(Ops):
             return self.softmax(x)
 
     def length_mask(self, x, lens, axis=-1):
-        if x.is_cpu:  # is_cpu first: reading .device builds a torch.device (~1 us a call, cold)
+        if x.is_cpu:  # is_cpu first: reading .device builds a torch.device, costly at toy sizes
             device = None
             if not lens.is_cpu:
                 lens = lens.cpu()
@@ -202,7 +202,7 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_shape(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
-    """The shape of a + b for same-rank a and b (torch.broadcast_shapes imports sympy: 30 MB)."""
+    """The shape of a + b for same-rank a and b (torch.broadcast_shapes imports sympy)."""
     if a.dim() != b.dim():
         return None
     return tuple(x if y == 1 else y for x, y in zip(a.shape, b.shape))
