@@ -191,6 +191,13 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
     out (B, q, h, K) by default: keys innermost, the sum adds one number to each row of keys
     and w_v contracts as one (1, h) @ (h, K) product; d2l's (B, q, K, h) where the adapter
     prefers it (``hiddens_innermost``)."""
+    # tanh(z) = 2 sigmoid(2z) - 1 where sigmoid is cheaper: the 2s go into the (small)
+    # projections and w_v, and the -sum(w_v) is left out (every score of a row shifts alike,
+    # which the softmax ignores: the scores are core's plus sum(w_v), the weights the same).
+    by_sigmoid = ops.tanh_by_sigmoid(q_hidden)
+    if by_sigmoid:
+        q_hidden, k_hidden, w_v = q_hidden * 2.0, k_hidden * 2.0, w_v * 2.0
+    activation = ops.sigmoid_of_sum if by_sigmoid else ops.tanh_of_sum
     if ops.hiddens_innermost:
         k_side, q_axis = ops.expand_dims(k_hidden, 1), 2  # (B, 1, K, h)
 
@@ -204,10 +211,10 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
         def contract(features: Tensor) -> Tensor:  # (B, q, h, K) -> (B, q, K)
             return ops.matmul(w_row, features)[:, :, 0, :]
 
-    buffers: list = []  # where tanh_of_sum may keep a dead block's features to reuse
+    buffers: list = []  # where the activation may keep a dead block's features to reuse
 
     def score_block(q_block: Tensor) -> Tensor:  # (B, q, h) -> (B, q, K)
-        return contract(ops.tanh_of_sum(ops.expand_dims(q_block, q_axis), k_side, buffers))
+        return contract(activation(ops.expand_dims(q_block, q_axis), k_side, buffers))
 
     return ops.map_query_blocks(score_block, q_hidden, step)
 

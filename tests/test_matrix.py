@@ -122,12 +122,19 @@ def test_dot_product_fast_path_without_weights(bk, dtype, mask, shape, monkeypat
         assert_close(bk, out, want, dtype)
 
 
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
 @pytest.mark.parametrize("hiddens_innermost", [False, True], ids=["keys-innermost", "hiddens-innermost"])
 @pytest.mark.parametrize("mask", MASKS)
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_additive_scores_in_blocks_equal_the_reference(bk, dtype, mask, hiddens_innermost, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_scores_in_blocks_equal_the_reference(
+    bk, dtype, mask, hiddens_innermost, activation, monkeypatch
+):
     """Large inputs are scored in blocks of queries (bounded memory); force tiny blocks here,
     in both feature layouts (each adapter uses one, see strategies.additive_scores_in_blocks)."""
+    supported(bk, dtype)
+    from .test_strategies import force_activation
+
+    force_activation(bk, monkeypatch, activation)  # tanh(z) or 2 sigmoid(2z) - 1, forced
     monkeypatch.setattr(bk.module.ops, "hiddens_innermost", hiddens_innermost)
     # 3 x 6 x 7 = 126 features per query: 2 queries a block, the last block shorter
     monkeypatch.setattr(bk.module.ops, "feature_block_elements", 260)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from multiattn import core, strategies
-from multiattn.protocol import clip_lengths
+from multiattn.protocol import Ops, clip_lengths
 
 from . import reference as ref
 from .test_matrix import lengths
@@ -103,17 +103,36 @@ def test_padding_written_directly(bk, dtype, monkeypatch):
         assert (values[b, n:] == 0).all() and (values[b, :n] == a["v"][b, :n]).all()
 
 
+def force_activation(bk, monkeypatch, activation):
+    """Make the additive blocks use tanh or sigmoid whatever this CPU's calibration says;
+    False where the adapter has no sigmoid form (and then it must never choose one)."""
+    ops = bk.module.ops
+    if type(ops).sigmoid_of_sum is Ops.sigmoid_of_sum:
+        assert not ops.tanh_by_sigmoid(bk.tensor(np.ones((1, 1, 1)), "float32"))
+        return activation == "tanh"
+    monkeypatch.setattr(ops, "tanh_by_sigmoid", lambda features: activation == "sigmoid")
+    return True
+
+
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
 @pytest.mark.parametrize("hiddens_innermost", [False, True])
 @pytest.mark.parametrize("step", [1, 3, Q])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, monkeypatch):
+def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, activation, monkeypatch):
     ops = bk.module.ops
     monkeypatch.setattr(ops, "hiddens_innermost", hiddens_innermost)
-    t, a, _, _ = _case(bk, dtype, "none", seed=3)
+    forced = force_activation(bk, monkeypatch, activation)
+    t, a, lens, lens_t = _case(bk, dtype, "1d", seed=3)
     q_hidden, k_hidden = ops.matmul_t(t["q"], t["W_q"]), ops.matmul_t(t["k"], t["W_k"])
     got = strategies.additive_scores_in_blocks(ops, q_hidden, k_hidden, t["w_v"], step)
     want = ref.additive_scores(a["q"], a["k"], a["W_q"], a["W_k"], a["w_v"])
-    _both(bk, got, core.additive_scores(ops, q_hidden, k_hidden, t["w_v"]), want, dtype)
+    math_scores = core.additive_scores(ops, q_hidden, k_hidden, t["w_v"])
+    if forced and activation == "sigmoid":  # every score shifted by sum(w_v), the weights the same
+        assert_close(bk, got, want + a["w_v"].sum(), dtype)
+        assert_close(bk, strategies.masked_softmax(ops, got, lens_t), ref.masked_softmax(want, lens), dtype)
+        assert_close(bk, math_scores, want, dtype)
+    else:
+        _both(bk, got, math_scores, want, dtype)
 
 
 @pytest.mark.parametrize("mask", MASKS)

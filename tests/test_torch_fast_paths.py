@@ -227,10 +227,12 @@ def _additive_case(rng):
     return q, k, v, np.array([3, 0]), W
 
 
-@pytest.fixture
-def tiny_blocks(monkeypatch):
-    # 2 x 5 x 7 = 70 features per query: one query a block, the last block as small as the others
+@pytest.fixture(params=["tanh", "sigmoid"])
+def tiny_blocks(monkeypatch, request):
+    # 2 x 5 x 7 = 70 features per query: one query a block, the last block as small as the others;
+    # the features as tanh(z) or 2 sigmoid(2z) - 1, whatever this CPU's calibration says
     monkeypatch.setattr(_module().ops, "feature_block_elements", 70)
+    monkeypatch.setattr(_module().ops, "tanh_by_sigmoid", lambda features: request.param == "sigmoid")
 
 
 def test_additive_blocks_sharing_a_buffer_under_no_grad(tiny_blocks):

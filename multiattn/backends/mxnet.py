@@ -14,7 +14,7 @@ import numpy as onp
 from mxnet import autograd, np, npx
 
 from ..functional import bind
-from ..protocol import Ops, layer_exports, per_row
+from ..protocol import Ops, layer_exports, measured_faster, per_row
 
 npx.set_np()
 
@@ -62,6 +62,14 @@ class MxnetOps(Ops):
 
     def tanh(self, x):
         return np.tanh(x)
+
+    def tanh_by_sigmoid(self, features):
+        key = (features.dtype, str(features.ctx))
+        x = np.random.normal(size=(self.feature_block_elements,), ctx=features.ctx).astype(features.dtype)
+        return measured_faster(key, lambda: npx.sigmoid(x).wait_to_read(), lambda: np.tanh(x).wait_to_read())
+
+    def sigmoid_of_sum(self, a, b, buffers):
+        return npx.sigmoid(a + b)
 
     def softmax(self, x):
         if x.dtype == onp.float16:

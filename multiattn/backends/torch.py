@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from ..functional import bind
-from ..protocol import Ops, layer_exports
+from ..protocol import Ops, layer_exports, measured_faster
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
@@ -71,22 +71,17 @@ class TorchOps(Ops):
         return torch.tanh(x)
 
     def tanh_of_sum(self, a, b, buffers):
-        if torch.is_grad_enabled():
-            # the product with w_v may keep each block for its backward (even when a and
-            # b need no gradient), so blocks share memory only under no_grad/inference_mode
-            return torch.tanh(a + b)
-        # one buffer for all blocks stays in cache and off the allocator
-        dead = buffers.pop() if buffers else None
-        features = None
-        if dead is not None and dead.shape == _sum_shape(a, b):
-            try:
-                features = torch.add(a, b, out=dead).tanh_()
-            except RuntimeError:  # torch.func.vmap has no batching rule for out=
-                pass
-        if features is None:
-            features = (a + b).tanh_()
-        buffers.append(features)
-        return features
+        return _activation_of_sum(torch.tanh, torch.Tensor.tanh_, a, b, buffers)
+
+    def tanh_by_sigmoid(self, features):
+        if torch.compiler.is_compiling():  # inductor fuses the features its own way
+            return False
+        key = (features.dtype, features.device)
+        x = torch.randn(self.feature_block_elements, device=features.device).to(features.dtype)
+        return measured_faster(key, lambda: torch.sigmoid(x), lambda: torch.tanh(x))
+
+    def sigmoid_of_sum(self, a, b, buffers):
+        return _activation_of_sum(torch.sigmoid, torch.Tensor.sigmoid_, a, b, buffers)
 
     def softmax(self, x):
         if x.dtype in _HALF:
@@ -199,6 +194,26 @@ def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
             _CONSTANTS.clear()
         constant = _CONSTANTS[key] = torch.tensor(value, dtype=like.dtype, device=like.device)
         return constant
+
+
+def _activation_of_sum(activation, in_place, a, b, buffers: list) -> torch.Tensor:
+    """activation(a + b), written into the dead block kept in buffers where autograd allows."""
+    if torch.is_grad_enabled():
+        # the product with w_v may keep each block for its backward (even when a and
+        # b need no gradient), so blocks share memory only under no_grad/inference_mode
+        return activation(a + b)
+    # one buffer for all blocks stays in cache and off the allocator
+    dead = buffers.pop() if buffers else None
+    features = None
+    if dead is not None and dead.shape == _sum_shape(a, b):
+        try:
+            features = in_place(torch.add(a, b, out=dead))
+        except RuntimeError:  # torch.func.vmap has no batching rule for out=
+            pass
+    if features is None:
+        features = in_place(a + b)
+    buffers.append(features)
+    return features
 
 
 def _sum_shape(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
