@@ -43,6 +43,7 @@ class _Layer(AttentionCall, keras.layers.Layer):
         return {**super().get_config(), "dropout": self.rate}
 
 
+@keras.saving.register_keras_serializable(package="multiattn")
 class DotProductAttention(_Layer):
     """Scaled dot-product attention as a Keras layer; dropout only when training."""
 
@@ -56,7 +57,11 @@ class DotProductAttention(_Layer):
         )
         return out
 
+    def get_config(self):
+        return {**super().get_config(), "need_weights": self.need_weights}
 
+
+@keras.saving.register_keras_serializable(package="multiattn")
 class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     """Additive attention as a Keras layer with weights W_q, W_k, w_v (glorot_uniform, as Dense).
 

@@ -23,10 +23,22 @@ from . import (
 )
 
 
-class DotProductAttention(AttentionCall, nn.Module):
-    """Scaled dot-product attention; dropout on the weights in training mode only."""
+class _Layer(AttentionCall, nn.Module):
+    """What both layers share: the ops, and copies that keep the last weights detached
+    (``copy.deepcopy`` refuses tensors of an autograd graph; EMA copies and target networks
+    deep-copy a module after a forward call)."""
 
     _ops = ops
+
+    def __getstate__(self):
+        state = dict(super().__getstate__())
+        if isinstance(state.get("attention_weights"), torch.Tensor):
+            state["attention_weights"] = state["attention_weights"].detach()
+        return state
+
+
+class DotProductAttention(_Layer):
+    """Scaled dot-product attention; dropout on the weights in training mode only."""
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -42,10 +54,8 @@ class DotProductAttention(AttentionCall, nn.Module):
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
+class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
-
-    _ops = ops
 
     def __init__(
         self,

@@ -1,0 +1,54 @@
+"""Each layer survives its framework's copy and save idioms after a forward call: copy.deepcopy
+and pickle everywhere, Keras model.save/load_model; the copy gives the same outputs."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import numpy as np
+import pytest
+
+from .test_worked_example import example
+
+EXAMPLE_ADDITIVE = 20  # the books' query width for additive attention
+
+pytestmark = pytest.mark.layers
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+@pytest.mark.parametrize("kind", ["additive", "dot"])
+def test_copies_after_a_forward_call_give_the_same_outputs(bk, kind, how):
+    q, k, v, lens = example(bk, query_size=EXAMPLE_ADDITIVE if kind == "additive" else 2)
+    layer = bk.additive(2, EXAMPLE_ADDITIVE, 8) if kind == "additive" else bk.dot()
+    out = bk.numpy(bk.call(layer, q, k, v, lens))
+    twin = copy.deepcopy(layer) if how == "deepcopy" else pickle.loads(pickle.dumps(layer))
+    if twin.attention_weights is not None:  # Keras rebuilds a copy from its config and weights
+        np.testing.assert_array_equal(bk.numpy(twin.attention_weights), bk.numpy(layer.attention_weights))
+    np.testing.assert_array_equal(bk.numpy(bk.call(twin, q, k, v, lens)), out)
+    if kind == "additive":
+        for name, value in layer.get_weights().items():
+            np.testing.assert_array_equal(twin.get_weights()[name], value)
+
+
+@pytest.mark.backend("tensorflow")
+def test_keras_models_holding_the_layers_save_and_load(tmp_path):
+    import keras
+
+    from multiattn.backends import tensorflow as m
+
+    q_in, k_in, v_in = keras.Input((1, 20)), keras.Input((10, 2)), keras.Input((10, 4))
+    lens_in = keras.Input((), dtype="int32")
+    additive = m.AdditiveAttention(2, 20, 8, dropout=0.1)(q_in, k_in, v_in, lens_in)
+    dot = m.DotProductAttention(dropout=0.5, need_weights=False)(k_in, k_in, v_in, lens_in)
+    model = keras.Model([q_in, k_in, v_in, lens_in], [additive, dot])
+    rng = np.random.default_rng(0)
+    inputs = [rng.normal(size=(2, 1, 20)), rng.normal(size=(2, 10, 2)), rng.normal(size=(2, 10, 4))]
+    inputs = [x.astype("float32") for x in inputs] + [np.array([2, 6], dtype="int32")]
+    want = model.predict(inputs, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    for got, expected in zip(loaded.predict(inputs, verbose=0), want):
+        np.testing.assert_array_equal(got, expected)
+    layer = next(x for x in loaded.layers if isinstance(x, m.DotProductAttention))
+    assert layer.need_weights is False and layer.rate == 0.5
