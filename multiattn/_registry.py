@@ -7,6 +7,7 @@ asked for by name, and a tensor's framework is read off its type's module path
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -42,12 +43,29 @@ _framework_of_type: dict[type, str | None] = {}
 _types_of: dict[str, set[type]] = {name: set() for name in BACKENDS}
 
 
+def did_you_mean(name: object) -> str:
+    """' (did you mean 'torch'?)' for a near miss of a backend name, else ''."""
+    close = difflib.get_close_matches(str(name), list(BACKENDS), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _check_name(name: object, source: str = "backend name") -> str:
     if not isinstance(name, str) or name not in BACKENDS:
         raise ValueError(
-            f"unknown multiattn backend {name!r} ({source}); known backends: {', '.join(BACKENDS)}"
+            f"unknown multiattn backend {name!r}{did_you_mean(name)} ({source}); "
+            f"known backends: {', '.join(BACKENDS)}"
         )
     return name
+
+
+def install_hint(name: str) -> str:
+    """How to install what backend ``name`` needs."""
+    if name == "mxnet":  # mxnet 1.9.1 needs numpy<1.24, which would downgrade a shared environment
+        return (
+            "python -m venv mxnet-env && mxnet-env/bin/pip install 'multiattn[mxnet]' "
+            "(an environment of its own: mxnet needs numpy<1.24)"
+        )
+    return f"pip install 'multiattn[{BACKENDS[name][1]}]'"
 
 
 def selected_backend() -> str:
@@ -62,8 +80,8 @@ def get_backend(name: str) -> ModuleType:
     if module is not None:
         return module
     _check_name(name)
-    framework, extra, _ = BACKENDS[name]
-    install = f"pip install 'multiattn[{extra}]'"
+    framework = BACKENDS[name][0]
+    install = install_hint(name)
     try:
         module = importlib.import_module(f"multiattn.backends.{name}")
     except ModuleNotFoundError as err:

@@ -7,14 +7,24 @@ import sys
 from typing import Dict, List, Optional
 
 from . import __version__
-from ._registry import BACKENDS
+from ._registry import BACKENDS, did_you_mean
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line on stderr, exit status 2 (argparse prints the usage too)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _backend_list(text: str) -> List[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown backends {unknown}; known: {', '.join(BACKENDS)}")
+        hints = "".join(did_you_mean(n) for n in unknown[:1])
+        raise argparse.ArgumentTypeError(
+            f"unknown backend {unknown[0]!r}{hints}; known: {', '.join(BACKENDS)}"
+        )
     return names
 
 
@@ -61,11 +71,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from .check import load_json
 
-    try:
-        results, seed = load_json(args.files)
-    except (OSError, ValueError, KeyError) as err:
-        print(f"multiattn report: {err}", file=sys.stderr)
-        return 2
+    results, seed = load_json(args.files)
     return _finish(results, seed, args)
 
 
@@ -76,11 +82,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="multiattn",
         description="d2l 11.3 attention scoring functions on every framework, and proof that they agree.",
     )
     parser.add_argument("--version", action="version", version=f"multiattn {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show a traceback for errors, not one line")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tolerance_help = "override a dtype's tolerance, e.g. float32=1e-4 (repeatable)"
@@ -129,6 +136,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What goes wrong outside multiattn's control (a backend that is unknown or not installed, a
+# file that cannot be read): one line and exit status 2, the traceback only with --debug.
+USER_ERRORS = (ImportError, ValueError, OSError, KeyError, TypeError)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except USER_ERRORS as err:
+        if args.debug:
+            raise
+        message = str(err) if not isinstance(err, KeyError) else f"missing entry {err} (not a check --json file?)"
+        print(f"multiattn {args.command}: {message}", file=sys.stderr)
+        return 2

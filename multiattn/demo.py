@@ -33,6 +33,8 @@ def example_inputs(backend: Any, query_size: int, seed: int = 0) -> tuple:
 def run_demo(name: Optional[str], out: Optional[str]) -> int:
     name = name or selected_backend()
     backend = get_backend(name)
+    if not hasattr(backend, "AdditiveAttention"):
+        raise ValueError(f"the {name} backend has no layer classes, which the demo runs; choose another")
     additive = _inference(backend.AdditiveAttention(key_size=2, query_size=20, num_hiddens=8, dropout=0.1))
     dot = _inference(backend.DotProductAttention(dropout=0.5))
     outputs = {}

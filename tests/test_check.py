@@ -93,7 +93,7 @@ def test_help(command):
 
 def test_bad_arguments_are_usage_errors():
     result = run_cli("check", "--backends", "caffe")
-    assert result.returncode == 2 and "unknown backends ['caffe']" in result.stderr
+    assert result.returncode == 2 and "unknown backend 'caffe'" in result.stderr
     result = run_cli("check", "--tolerance", "float32")
     assert result.returncode == 2 and "DTYPE=VALUE" in result.stderr
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections import Counter
 import subprocess
 import sys
 import tempfile
@@ -105,16 +106,27 @@ def save_json(path: str, results: Dict[str, dict], rows: List[Row], seed: int) -
 
 
 def load_json(paths: List[str]) -> tuple:
-    """(merged results, seed) of several `check --json` files; their seeds must agree."""
-    merged: Dict[str, dict] = {}
+    """(merged results, seed) of several `check --json` files; their seeds must agree.
+
+    A backend found in more than one file keeps every one of its results, each labelled with
+    its file (``numpy [check-mxnet]``): never a silent choice of one."""
+    loaded: List[tuple] = []
     seed = None
     for path in paths:
         with open(path) as f:
-            doc = json.load(f)
-        if seed is not None and doc["seed"] != seed:
-            raise ValueError(f"{path} was made with seed {doc['seed']}, the others with seed {seed}")
-        seed = doc["seed"]
-        for name, res in doc["backends"].items():
+            try:
+                doc = json.load(f)
+                doc_seed, backends = doc["seed"], doc["backends"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path} is not a file written by `multiattn check --json` ({err})") from None
+        if seed is not None and doc_seed != seed:
+            raise ValueError(f"{path} was made with seed {doc_seed}, the others with seed {seed}")
+        seed = doc_seed
+        for name, res in backends.items():
             res["cases"] = {c: _to_arrays(r) for c, r in res["cases"].items()}
-            merged[name] = res
+            loaded.append((name, os.path.splitext(os.path.basename(path))[0], res))
+    counts = Counter(name for name, _, _ in loaded)
+    merged: Dict[str, dict] = {}
+    for name, source, res in loaded:
+        merged[f"{name} [{source}]" if counts[name] > 1 else name] = res
     return merged, seed
