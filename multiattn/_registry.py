@@ -165,11 +165,15 @@ def check_framework(expected: str, **tensors: Any) -> None:
     for arg, x in tensors.items():
         name = None if x is None else framework_of(x)
         if x is not None and name != expected:
-            got = f"a {name} tensor" if name else f"{type(x).__module__}.{type(x).__qualname__}"
-            raise TypeError(
-                f"{arg} must be a {expected} tensor for the {expected} backend, got {got}; "
-                f"convert it first (e.g. multiattn.get_backend({expected!r}).from_numpy)"
-            )
+            raise TypeError(f"{arg} must be a {expected} tensor for the {expected} backend, got " + (
+                f"a {name} tensor; for {name} tensors use the {name} backend (its layers: "
+                f"MULTIATTN_BACKEND={name} or multiattn.backends.{name}; multiattn.masked_softmax and "
+                "the other functions follow their tensors), or convert: "
+                f"multiattn.get_backend({expected!r}).from_numpy(multiattn.get_backend({name!r}).to_numpy(x))"
+                if name
+                else f"{type(x).__module__}.{type(x).__qualname__}; convert it first: "
+                f"multiattn.get_backend({expected!r}).from_numpy(numpy.asarray(x))"
+            ))  # fmt: skip
 
 
 def tensor_check(name: str) -> Callable[..., None]:

@@ -3,6 +3,7 @@ expected and the actual value.  Framework-free, through ``protocol.Ops``."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from .protocol import Ops, Shape, Tensor
@@ -19,6 +20,12 @@ def same(a: Any, b: Any) -> bool:
 
 def fmt(shape: Shape) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + (",)" if len(shape) == 1 else ")")
+
+
+def dtype_name(x: Tensor) -> str:
+    """'float32' for torch.float32, tf's <dtype: 'float32'>, mxnet's <class 'numpy.float32'>, ..."""
+    text = re.sub(r"^<(?:dtype:|class) '(.*)'>$", r"\1", str(getattr(x, "dtype", type(x).__name__)))
+    return text.rsplit(".", 1)[-1]
 
 
 def check_float(ops: Ops, arg: str, x: Tensor) -> None:
@@ -77,6 +84,7 @@ def check_attention_inputs(
         and k_shape[1] == v_shape[1] is not None
         and (q_shape[2] == k_shape[2] != 0 if same_width else query_size is key_size is None)
         and ops.dtype_kind(queries) == ops.dtype_kind(keys) == ops.dtype_kind(values) == "f"
+        and queries.dtype == keys.dtype == values.dtype
     ):
         if valid_lens is not None:
             check_valid_lens(ops, valid_lens, q_shape[0], q_shape[1])
@@ -95,6 +103,11 @@ def _full_check(
             raise ValueError(f"{arg} must be 3-D (batch, {rows}, features), got shape {fmt(shape)}")
     for arg, x in zip(names, tensors):
         check_float(ops, arg, x)
+    if not tensors[0].dtype == tensors[1].dtype == tensors[2].dtype:
+        raise InputDtypeError(
+            "queries, keys and values must share one dtype, got "
+            + ", ".join(f"{arg} {dtype_name(x)}" for arg, x in zip(names, tensors))
+        )
     (batch, n_queries, q_width), (_, n_keys, k_width), _ = shapes
     for arg, shape in zip(names[1:], shapes[1:]):
         if not same(shape[0], batch):
@@ -129,9 +142,11 @@ def check_known_width(q_shape: Shape) -> int:
     return q_shape[-1]
 
 
-def check_additive_weights(ops: Ops, W_q: Tensor, W_k: Tensor, w_v: Tensor) -> tuple[int, int]:
-    """Canonical additive weights W_q (h, query_size), W_k (h, key_size), w_v (h,);
-    returns (query_size, key_size)."""
+def check_additive_weights(
+    ops: Ops, W_q: Tensor, W_k: Tensor, w_v: Tensor, queries: Tensor
+) -> tuple[int, int]:
+    """Canonical additive weights W_q (h, query_size), W_k (h, key_size), w_v (h,) in the
+    queries' dtype; returns (query_size, key_size)."""
     shapes = []
     for arg, x, rank, layout in (
         ("W_q", W_q, 2, "(num_hiddens, query_size)"),
@@ -142,6 +157,10 @@ def check_additive_weights(ops: Ops, W_q: Tensor, W_k: Tensor, w_v: Tensor) -> t
         if len(shape) != rank:
             raise ValueError(f"{arg} must have shape {layout}, got {fmt(shape)}")
         check_float(ops, arg, x)
+        if getattr(queries, "dtype", None) is not None and not x.dtype == queries.dtype:
+            raise InputDtypeError(
+                f"{arg} must have the dtype of queries ({dtype_name(queries)}), got {dtype_name(x)}"
+            )
         shapes.append(shape)
     (h, query_size), (h_k, key_size), (h_v,) = shapes
     if not (same(h, h_k) and same(h, h_v)):

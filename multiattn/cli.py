@@ -148,6 +148,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     except USER_ERRORS as err:
         if args.debug:
             raise
-        message = str(err) if not isinstance(err, KeyError) else f"missing entry {err} (not a check --json file?)"
+        message = (
+            str(err) if not isinstance(err, KeyError) else f"missing entry {err} (not a check --json file?)"
+        )
         print(f"multiattn {args.command}: {message}", file=sys.stderr)
         return 2

@@ -13,6 +13,8 @@ import numpy as np
 
 from ._registry import get_backend, selected_backend
 
+VALID_LENS = (2, 6)
+
 
 def _inference(layer: Any) -> Any:
     # torch/paddle/mlx/nnx/numpy layers have eval(); Keras and Gluon infer unless training.
@@ -26,7 +28,7 @@ def example_inputs(backend: Any, query_size: int, seed: int = 0) -> tuple:
     queries = backend.from_numpy(rng.normal(0, 1, (2, 1, query_size)), "float32")
     keys = backend.from_numpy(np.ones((2, 10, 2)), "float32")
     values = backend.from_numpy(np.repeat(np.arange(40, dtype=np.float32).reshape(1, 10, 4), 2, axis=0))
-    valid_lens = backend.from_numpy(np.array([2, 6]))
+    valid_lens = backend.from_numpy(np.array(VALID_LENS))
     return queries, keys, values, valid_lens
 
 
@@ -52,11 +54,12 @@ def run_demo(name: Optional[str], out: Optional[str]) -> int:
             [backend.to_numpy(additive.attention_weights), backend.to_numpy(dot.attention_weights)]
         )
         fig = show_heatmaps(
-            weights.reshape(1, 2, 2, 10),
+            weights.reshape(1, 2, 2, 10),  # one query per sequence: a panel's rows are the sequences
             xlabel="Keys",
-            ylabel="Queries",
-            titles=["additive", "dot-product"],
-            figsize=(6, 2.5),
+            ylabel="Sequences",
+            titles=["AdditiveAttention", "DotProductAttention"],
+            row_labels=[f"sequence {i} (valid_len {n})" for i, n in enumerate(VALID_LENS)],
+            suptitle=f"Attention weights of the worked example, {name} backend",
         )
         fig.savefig(out, dpi=100)
         print(f"attention weights heatmap saved to {out}")

@@ -35,7 +35,7 @@ BACKEND_EXPORTS = (
     "to_numpy",  # tensor -> a numpy copy (bfloat16 as float32)
     "vjp",  # (fn, args, cotangent) -> (fn(*args), gradients), or None without autodiff
     "SUPPORTED_DTYPES",  # dtype names the backend computes in
-    "DTYPE_NOTES",  # dtype name -> why it is not supported, for the check table
+    "DTYPE_NOTES",  # dtype name -> why it is unsupported (or a dict: check function -> why)
 )
 # The framework-native classes, in ``multiattn.layers.<name>`` (optional: array_api has none);
 # a backend module re-exports them lazily with ``layer_exports``.

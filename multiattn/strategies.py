@@ -104,7 +104,7 @@ def additive_attention_from_weights(
     dropout: Dropout = None,
 ) -> tuple[Tensor, Tensor]:
     """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
-    query_size, key_size = checks.check_additive_weights(ops, W_q, W_k, w_v)
+    query_size, key_size = checks.check_additive_weights(ops, W_q, W_k, w_v, queries)
     return additive_attention(
         ops, queries, keys, values, valid_lens,
         project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),

@@ -134,3 +134,22 @@ def test_a_wrong_fast_path_fails_the_check(monkeypatch, capsys):
         for line in out.splitlines()
         if line.startswith("numpy") and "dot_product float" in line
     )
+
+
+@pytest.mark.backend("paddle")
+def test_paddle_half_reasons_name_what_each_case_needs(capsys):
+    from multiattn.backends import paddle as m
+
+    cli.main(["check", "--backends", "paddle", "--in-process"])
+    rows = capsys.readouterr().out.splitlines()
+    reasons = {
+        f: next(r for r in rows if f"{f} float16" in r) for f in ("masked_softmax", "dot_product", "additive")
+    }
+    assert reasons["masked_softmax"].endswith("kernels for where (the masking)")
+    assert reasons["dot_product"].endswith("kernels for matmul and where")
+    assert reasons["additive"].endswith("kernels for matmul, tanh and where")
+    # float16 lengths need no half kernel: they are only compared
+    weights = m.masked_softmax(
+        m.from_numpy(np.ones((2, 3, 4)), "float32"), m.from_numpy(np.array([1.5, 3.0]), "float16")
+    )
+    np.testing.assert_array_equal(m.to_numpy(weights)[0, :, 2:], 0.0)

@@ -94,3 +94,34 @@ def test_dropout_must_be_a_probability(bk, dropout):
 def test_sizes_must_be_positive_integers(bk, arg, sizes):
     with raises(f"{arg} must be a positive integer, got"):
         bk.module.AdditiveAttention(*sizes)
+
+
+def test_mixed_dtypes_name_each_argument(bk):
+    q64 = bk.tensor(np.ones((2, 3, 4)), "float64")
+    q32, k32, v32 = (bk.tensor(np.ones(shape), "float32") for shape in ((2, 3, 4), (2, 5, 4), (2, 5, 2)))
+    with pytest.raises(multiattn.InputDtypeError) as info:
+        bk.module.dot_product_attention(q64, k32, v32)
+    assert str(info.value) == (
+        "queries, keys and values must share one dtype, got queries float64, keys float32, values float32"
+    )
+    weights = {"W_q": bk.tensor(np.ones((6, 4)), "float64"), "W_k": bk.tensor(np.ones((6, 4)), "float32")}
+    weights["w_v"] = bk.tensor(np.ones(6), "float32")
+    with pytest.raises(
+        multiattn.InputDtypeError, match=r"W_q must have the dtype of queries \(float32\), got float64"
+    ):
+        bk.module.additive_attention(q32, k32, v32, **weights)
+
+
+@pytest.mark.layers
+def test_a_layer_computes_in_its_inputs_dtype(bk):
+    # the parameters are cast to the inputs' dtype, on every backend (a documented rule)
+    from . import reference as ref
+
+    rng = np.random.default_rng(3)
+    layer = bk.additive(4, 4, 6, dtype="float32")
+    q, k, v = (rng.normal(size=shape) for shape in ((2, 3, 4), (2, 5, 4), (2, 5, 2)))
+    out = bk.call(layer, *(bk.tensor(x, "float64") for x in (q, k, v)))
+    assert "float64" in str(out.dtype)
+    stored = layer.get_weights()
+    want = ref.additive_attention(q, k, v, None, stored["W_q"], stored["W_k"], stored["w_v"])[0]
+    np.testing.assert_allclose(bk.numpy(out), want, rtol=1e-6, atol=1e-6)

@@ -35,8 +35,15 @@ from ..functional import bind  # noqa: E402
 from ..protocol import Ops, layer_exports, per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
-_NO_HALF = "paddle's CPU build has no float16/bfloat16 matmul and tanh kernels"
-DTYPE_NOTES = {"float16": _NO_HALF, "bfloat16": _NO_HALF}
+_NO_HALF = "paddle's CPU build has no float16/bfloat16 kernels for {}"
+_KERNELS = {
+    "masked_softmax": "where (the masking)",
+    "dot_product": "matmul and where",
+    "additive": "matmul, tanh and where",
+}
+DTYPE_NOTES = {
+    dtype: {f: _NO_HALF.format(k) for f, k in _KERNELS.items()} for dtype in ("float16", "bfloat16")
+}
 
 _HALF = (paddle.float16, paddle.bfloat16)
 
@@ -125,11 +132,10 @@ class PaddleOps(Ops):
 
     def check_tensors(self, **tensors):
         super().check_tensors(**tensors)
-        for arg, x in tensors.items():
-            if x is not None and x.dtype in _HALF and x.place.is_cpu_place():
-                raise InputDtypeError(
-                    f"{arg} is {x.dtype} on the CPU, but {_NO_HALF}; use float32 (or a GPU)"
-                )
+        for arg, x in tensors.items():  # lengths are only compared, which paddle does in any dtype
+            if arg != "valid_lens" and x is not None and x.dtype in _HALF and x.place.is_cpu_place():
+                kernels = _NO_HALF.format("matmul, tanh and where")
+                raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {kernels}; use float32 (or a GPU)")
 
 
 def _untracked(x) -> bool:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from collections import Counter
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -118,7 +118,9 @@ def load_json(paths: List[str]) -> tuple:
                 doc = json.load(f)
                 doc_seed, backends = doc["seed"], doc["backends"]
             except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(f"{path} is not a file written by `multiattn check --json` ({err})") from None
+                raise ValueError(
+                    f"{path} is not a file written by `multiattn check --json` ({err})"
+                ) from None
         if seed is not None and doc_seed != seed:
             raise ValueError(f"{path} was made with seed {doc_seed}, the others with seed {seed}")
         seed = doc_seed

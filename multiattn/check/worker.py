@@ -67,7 +67,9 @@ def run_backend(name: str, seed: int) -> Dict[str, Any]:
     results: Dict[str, Any] = {"version": framework_version(name), "status": "ok", "cases": {}}
     for case in make_cases(seed):
         if case.dtype not in module.SUPPORTED_DTYPES:
-            why = getattr(module, "DTYPE_NOTES", {}).get(case.dtype, f"{name} has no {case.dtype}")
+            why = module.DTYPE_NOTES.get(case.dtype, f"{name} has no {case.dtype}")
+            if isinstance(why, dict):  # what this case itself needs
+                why = why.get(case.function, f"{name} has no {case.dtype}")
             results["cases"][case.name] = {"status": f"unsupported: {why}"}
             continue
         try:

@@ -71,7 +71,13 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
             linear.weight = from_numpy(value.reshape(linear.weight.shape)).astype(linear.weight.dtype)
 
     def _projections(self, queries):
-        return self.W_q, self.W_k, self.w_v.weight[0]
+        # computed in the inputs' dtype, the parameters cast to it; mlx stores them (out, in)
+        dtype = queries.dtype
+        W_q, W_k, w_v = (
+            linear.weight if linear.weight.dtype == dtype else linear.weight.astype(dtype)
+            for linear in (self.W_q, self.W_k, self.w_v)
+        )
+        return (lambda q: q @ W_q.T), (lambda k: k @ W_k.T), w_v[0]
 
     def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
         out, self._attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)

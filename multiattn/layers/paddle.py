@@ -63,8 +63,14 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
             param.set_value(paddle.to_tensor(np.ascontiguousarray(layout)).astype(param.dtype))
 
     def _projections(self, queries):
-        return self.W_q, self.W_k, self.w_v.weight[:, 0]
+        # computed in the inputs' dtype, the parameters cast to it; paddle stores them (in, out)
+        W_q, W_k, w_v = (_as(linear.weight, queries.dtype) for linear in (self.W_q, self.W_k, self.w_v))
+        return (lambda q: paddle.matmul(q, W_q)), (lambda k: paddle.matmul(k, W_k)), w_v[:, 0]
 
     def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
         return out
+
+
+def _as(weight, dtype):
+    return weight if weight.dtype == dtype else weight.astype(dtype)

@@ -11,6 +11,7 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..backends.torch import ops, to_numpy
 from . import (
@@ -89,7 +90,9 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
                 param.copy_(torch.from_numpy(value).reshape(param.shape))
 
     def _projections(self, queries):
-        return self.W_q, self.W_k, self.w_v.weight[0]
+        # computed in the inputs' dtype, the parameters cast to it (a no-op when they match)
+        W_q, W_k, w_v = (linear.weight.to(queries.dtype) for linear in (self.W_q, self.W_k, self.w_v))
+        return (lambda q: F.linear(q, W_q)), (lambda k: F.linear(k, W_k)), w_v[0]
 
     def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
