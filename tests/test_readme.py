@@ -45,3 +45,49 @@ def test_doc_pages_link_to_pages_that_exist():
         for link in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in link:
                 assert (page.parent / link).exists(), f"{page.name} links {link}, which does not exist"
+
+
+SAMPLE = re.search(r"```text\n(backend .*?)```", README.read_text(), re.S).group(1).strip().splitlines()
+
+
+def _cells(line: str) -> list:
+    return re.split(r"\s{2,}", line.strip(), maxsplit=6)
+
+
+def _close(sample: str, real: str) -> bool:
+    """The same cell: equal, or numbers within a factor 10 (other CPUs round differently)."""
+    if sample == real:
+        return True
+    numbers = [re.match(r"\d[0-9.]*e[+-]\d+", text) for text in (sample, real)]
+    if not all(numbers):
+        return False
+    a, b = (float(n.group(0)) for n in numbers)
+    return (a == b == 0) or (a > 0 and b > 0 and 0.1 <= a / b <= 10)
+
+
+def test_the_readme_sample_is_what_check_prints(bk):
+    """Each sample row of a backend under test against a real run of its cases; the summary line
+    against the run of every backend it names, where all of them are under test."""
+    from multiattn.check import build_rows, render, run_check
+    from multiattn.check.cases import make_cases
+
+    from .conftest import backends_under_test
+
+    named = re.search(r"backends \((.*)\)", SAMPLE[-1]).group(1).split(", ")
+    everyone = sorted(named) == sorted(backends_under_test())
+    if not everyone and bk.name != backends_under_test()[0]:
+        return  # the run of one backend is enough in its own environment
+    names = named if everyone else [bk.name]
+    table = render(build_rows(run_check(names, in_process=True), make_cases(0))).splitlines()
+    assert _cells(table[0]) == _cells(SAMPLE[0])  # column widths follow the backends' names
+    real = {tuple(_cells(line)[:3]): _cells(line) for line in table[2:] if line.strip()}
+    for line in SAMPLE[2:-1]:
+        if line == "..." or _cells(line)[0] not in names:
+            continue
+        want = _cells(line)
+        got = real[tuple(want[:3])]
+        if not everyone:  # alone in its environment, a backend has no others to compare with
+            want, got = want[:4] + want[5:], got[:4] + got[5:]
+        assert len(got) == len(want) and all(_close(w, g) for w, g in zip(want, got)), (want, got)
+    if everyone:
+        assert table[:2] == SAMPLE[:2] and table[-1] == SAMPLE[-1]
