@@ -125,3 +125,43 @@ def test_a_layer_computes_in_its_inputs_dtype(bk):
     stored = layer.get_weights()
     want = ref.additive_attention(q, k, v, None, stored["W_q"], stored["W_k"], stored["w_v"])[0]
     np.testing.assert_allclose(bk.numpy(out), want, rtol=1e-6, atol=1e-6)
+
+
+def test_tensors_of_another_framework_name_the_way_out(bk):
+    # numpy arrays given to any other backend (torch tensors to numpy's layers: the next test);
+    # to numpy, a Python list, which is no framework's tensor
+    if bk.name == "numpy":
+        with pytest.raises(TypeError) as info:
+            bk.module.masked_softmax([[[1.0, 2.0]]])
+        assert str(info.value).endswith(
+            "got builtins.list; convert it first: multiattn.get_backend('numpy').from_numpy(numpy.asarray(x))"
+        )
+        return
+    X = np.ones((1, 2, 3), dtype=np.float32)
+    with pytest.raises(TypeError) as info:
+        bk.module.masked_softmax(X)
+    message = str(info.value)
+    assert message.startswith(f"X must be a {bk.name} tensor for the {bk.name} backend, got a numpy tensor")
+    assert "MULTIATTN_BACKEND=numpy or multiattn.backends.numpy" in message
+    assert (
+        f"multiattn.get_backend('{bk.name}').from_numpy(multiattn.get_backend('numpy').to_numpy(x))"
+        in message
+    )
+
+
+@pytest.mark.backend("torch")
+def test_torch_tensors_given_to_the_default_numpy_layer():
+    import torch
+
+    from multiattn.backends import numpy as m
+
+    layer = m.AdditiveAttention(2, 20, 8)
+    for args in (
+        (torch.ones(2, 1, 20), torch.ones(2, 10, 2), torch.ones(2, 10, 4)),
+        (np.ones((2, 1, 20)), np.ones((2, 10, 2)), np.ones((2, 10, 4)), torch.tensor([2, 6])),
+    ):
+        with pytest.raises(TypeError, match="MULTIATTN_BACKEND=torch or multiattn.backends.torch") as info:
+            layer(*args)
+        assert "multiattn.get_backend('numpy').from_numpy(multiattn.get_backend('torch').to_numpy(x))" in str(
+            info.value
+        )
