@@ -191,6 +191,29 @@ def _run(python: str, *args: str) -> object:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def describe_machine() -> str:
+    """CPU model, L2 per core and widest vector extension, as the OS reports them (Linux)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    l2 = "?"
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            if (index / "level").read_text().strip() == "2":
+                l2 = (index / "size").read_text().strip()
+        except OSError:
+            pass
+    vector = next((v for v in ("avx512f", "avx2", "avx", "sse4_2", "neon", "asimd") if v in flags), "?")
+    return f"{model}, L2 {l2} per core, {vector.upper()}, {os.cpu_count()} CPUs"
+
+
 def _ratio(a, b) -> str:
     return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"
 
@@ -236,6 +259,9 @@ def main() -> int:
         "--system-allocator", action="store_true", help="leave glibc's allocator thresholds alone (noisier)"
     )
     parser.add_argument(
+        "--contended", action="store_true", help="run a CPU-bound busy process beside the measurements"
+    )
+    parser.add_argument(
         "--out", default=str(HERE / "RESULTS.md"), help="markdown table (default benchmarks/RESULTS.md)"
     )
     args = parser.parse_args()
@@ -250,6 +276,35 @@ def main() -> int:
     )
     sizes = args.sizes.split(",")
     results = {}
+    busy = None
+    if args.contended:  # a competing process, as data-loader workers or other requests are
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        _measure(args, backends, sizes, pythons, results)
+    finally:
+        if busy is not None:
+            busy.kill()
+    machine = f"{describe_machine()}, {platform.system()}, Python {platform.python_version()}"
+    table = render(results, sizes)
+    load = "with one CPU-bound busy process beside it (--contended)" if args.contended else "quiet"
+    header = (
+        f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine};\n"
+        f"float32, one run, {load}.\n"
+        "Times are medians of round-robin samples (one call of each implementation per round);\n"
+        "memory is the growth of peak RSS during one call in a fresh process.\n"
+        "Allocator for the times: "
+        f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
+        "for memory: every block its own mapping (see run.py).\n"
+        "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
+        "call without weights (the framework's fused kernel where the adapter uses one on this machine).\n\n"
+    )
+    Path(args.out).write_text(header + table + "\n")
+    print(table)
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _measure(args: argparse.Namespace, backends: list, sizes: list, pythons: dict, results: dict) -> None:
     for backend in backends:
         python = pythons.get(backend, sys.executable)
         print(f"{backend}: timing {', '.join(sizes)} ...", file=sys.stderr, flush=True)
@@ -265,23 +320,6 @@ def main() -> int:
                         )
         except RuntimeError as err:
             results[backend] = {"error": str(err)}
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.system()}"
-    machine += f", Python {platform.python_version()}"
-    table = render(results, sizes)
-    header = (
-        f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine}; float32, one run.\n"
-        "Times are medians of round-robin samples (one call of each implementation per round);\n"
-        "memory is the growth of peak RSS during one call in a fresh process.\n"
-        "Allocator for the times: "
-        f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
-        "for memory: every block its own mapping (see run.py).\n"
-        "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
-        "call without weights (the framework's fused kernel where the adapter uses one on this machine).\n\n"
-    )
-    Path(args.out).write_text(header + table + "\n")
-    print(table)
-    print(f"\nwritten to {args.out}", file=sys.stderr)
-    return 0
 
 
 if __name__ == "__main__":

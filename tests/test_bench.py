@@ -31,3 +31,15 @@ def test_benchmark_suite_writes_its_table(tmp_path):
     table = out.read_text()
     assert "| textbook | multiattn |" in table and f"| {backend} " in table and "| toy |" in table
     assert "failed" not in table
+
+
+def test_the_suite_names_the_machine_and_can_run_contended(tmp_path):
+    out = tmp_path / "results.md"
+    cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "toy", "--min-time", "0.01"]
+    result = subprocess.run(
+        [*cmd, "--no-memory", "--contended", "--out", str(out)], capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    header = out.read_text().split("|", 1)[0]
+    assert "L2 " in header and "per core" in header and "CPUs" in header
+    assert "one CPU-bound busy process beside it (--contended)" in header
