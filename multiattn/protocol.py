@@ -17,7 +17,6 @@ Tensors are used through these methods, plus what every array library has:
 from __future__ import annotations
 
 import math
-import time
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import _registry
@@ -137,7 +136,7 @@ class Ops:
     def tanh_by_sigmoid(self, features: Tensor) -> bool:
         """Whether additive features like ``features`` (its dtype and device) are cheaper as
         tanh(z) = 2 sigmoid(2z) - 1 here, with ``sigmoid_of_sum``; False keeps ``tanh_of_sum``.
-        Some CPUs' tanh kernels cost several times their sigmoid (``measured_faster``)."""
+        Some CPUs' tanh kernels cost several times their sigmoid (``_machine.measured_faster``)."""
         return False
 
     def sigmoid_of_sum(self, a: Tensor, b: Tensor, buffers: list) -> Tensor:
@@ -253,24 +252,6 @@ def adapter_problems(cls: type) -> List[str]:
     if not cls.name:
         problems.append(f"{cls.__name__} has no name")
     return problems
-
-
-_MEASURED: dict = {}
-
-
-def measured_faster(key: Any, first: Callable[[], Any], second: Callable[[], Any], repeat: int = 5) -> bool:
-    """Whether ``first()`` takes less time than ``second()`` on this machine (best of repeat,
-    alternating), measured once per key and process: a few ms of calibration at first use."""
-    if key not in _MEASURED:
-        best = [math.inf, math.inf]
-        first(), second()  # warm up
-        for _ in range(repeat):
-            for i, run in enumerate((first, second)):
-                start = time.perf_counter()
-                run()
-                best[i] = min(best[i], time.perf_counter() - start)
-        _MEASURED[key] = best[0] < best[1]
-    return _MEASURED[key]
 
 
 def per_row(lens: Tensor) -> Tensor:

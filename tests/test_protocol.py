@@ -42,3 +42,30 @@ def test_the_check_finds_a_misspelled_hook_and_a_missing_primitive(bk):
 def test_a_required_primitive_left_undefined_says_which():
     with pytest.raises(NotImplementedError):
         Ops().softmax(None)
+
+
+@pytest.mark.parametrize("size, expected", [("1024K", 1 << 20), ("2M", 2 << 20), ("524288", 1 << 19)])
+def test_the_l2_size_is_read_from_sysfs(tmp_path, size, expected):
+    from multiattn._machine import l2_cache_bytes
+
+    for index, (level, text) in enumerate((("1", "48K"), ("1", "32K"), ("2", size), ("3", "32768K"))):
+        folder = tmp_path / f"index{index}"
+        folder.mkdir()
+        (folder / "level").write_text(level + "\n")
+        (folder / "size").write_text(text + "\n")
+    assert l2_cache_bytes(cache_dir=str(tmp_path)) == expected
+    fallback = l2_cache_bytes(default=123, cache_dir=str(tmp_path / "missing"))  # sysconf, else default
+    assert fallback == 123 or fallback >= 1 << 16
+
+
+def test_measured_faster_measures_once_per_key():
+    import time
+
+    from multiattn._machine import measured_faster
+
+    calls = []
+    slow, fast = (lambda: (calls.append("slow"), time.sleep(0.002))), (lambda: calls.append("fast"))
+    assert measured_faster(("test", 1), fast, slow) is True
+    assert measured_faster(("test", 2), slow, fast) is False
+    count = len(calls)
+    assert measured_faster(("test", 1), slow, fast) is True and len(calls) == count  # cached

@@ -13,8 +13,9 @@ from typing import Any, Optional
 import numpy as onp
 from mxnet import autograd, np, npx
 
+from .._machine import measured_faster
 from ..functional import bind
-from ..protocol import Ops, layer_exports, measured_faster, per_row
+from ..protocol import Ops, layer_exports, per_row
 
 npx.set_np()
 
