@@ -183,8 +183,11 @@ ENV = dict(os.environ)
 EXACT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 
 
+MEMORY_ENV = {**os.environ, **EXACT_ALLOCATOR}
+
+
 def _run(python: str, *args: str) -> object:
-    env = ENV if args[0] == "time" else {**os.environ, **EXACT_ALLOCATOR}
+    env = ENV if args[0] == "time" else MEMORY_ENV
     proc = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"worker {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
@@ -230,9 +233,14 @@ def render(results: dict, sizes: list) -> str:
             continue
         for size in sizes:
             t = {impl: res["times"].get(f"{size}/{impl}") for impl in IMPLS}
-            m = {impl: res.get("memory", {}).get(f"{size}/{impl}") for impl in ("textbook", "multiattn")}
+            memory = res.get("memory", {})
+            m = {impl: memory.get(f"{size}/{impl}") for impl in ("textbook", "multiattn")}
+            worst = {impl: memory.get(f"{size}/{impl}/worst") for impl in ("textbook", "multiattn")}
             ms = {k: "-" if v is None else f"{v * 1e3:.2f} ms" for k, v in t.items()}
-            mem = {k: "-" if v is None else f"{v:.1f}" for k, v in m.items()}
+            mem = {
+                k: "-" if v is None else f"{v:.1f}" + (f" (worst {worst[k]:.1f})" if worst[k] != v else "")
+                for k, v in m.items()
+            }
             lines.append(
                 f"| {backend} {res['version']} | {size} | {ms['textbook']} | {ms['multiattn']} | "
                 f"{ms['multiattn-fast']} | {ms['floor']} | {_ratio(t['multiattn'], t['textbook'])} | "
@@ -262,12 +270,23 @@ def main() -> int:
         "--contended", action="store_true", help="run a CPU-bound busy process beside the measurements"
     )
     parser.add_argument(
+        "--memory-runs", type=int, default=1, help="fresh processes per peak memory (median, and worst)"
+    )
+    parser.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="measure memory under glibc's default malloc (as users see it) instead of exact mappings",
+    )
+    parser.add_argument(
         "--out", default=str(HERE / "RESULTS.md"), help="markdown table (default benchmarks/RESULTS.md)"
     )
     args = parser.parse_args()
     pythons = dict(p.split("=", 1) for p in args.python)
     if not args.system_allocator:
         ENV.update(STEADY_ALLOCATOR)
+    if args.default_malloc:
+        MEMORY_ENV.clear()
+        MEMORY_ENV.update({k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
     # array_api has no textbook to compare with (d2l has no Array API version)
     backends = (
         args.backends.split(",")
@@ -294,8 +313,12 @@ def main() -> int:
         "memory is the growth of peak RSS during one call in a fresh process.\n"
         "Allocator for the times: "
         f"{'glibc defaults' if args.system_allocator else 'glibc thresholds raised (see run.py)'}; "
-        "for memory: every block its own mapping (see run.py).\n"
-        "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
+        + (
+            f"for memory: glibc's default malloc, {args.memory_runs} fresh process(es), median (worst).\n"
+            if args.default_malloc
+            else f"for memory: every block its own mapping (see run.py), {args.memory_runs} run(s), median.\n"
+        )
+        + "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
         "call without weights (the framework's fused kernel where the adapter uses one on this machine).\n\n"
     )
     Path(args.out).write_text(header + table + "\n")
@@ -315,9 +338,9 @@ def _measure(args: argparse.Namespace, backends: list, sizes: list, pythons: dic
                 for size in (s for s in sizes if s in MEMORY_SIZES):
                     for impl in ("textbook", "multiattn"):
                         print(f"{backend}: peak memory {size} {impl} ...", file=sys.stderr, flush=True)
-                        results[backend]["memory"][f"{size}/{impl}"] = _run(
-                            python, "memory", backend, size, impl
-                        )
+                        runs = [_run(python, "memory", backend, size, impl) for _ in range(args.memory_runs)]
+                        results[backend]["memory"][f"{size}/{impl}"] = statistics.median(runs)
+                        results[backend]["memory"][f"{size}/{impl}/worst"] = max(runs)
         except RuntimeError as err:
             results[backend] = {"error": str(err)}
 

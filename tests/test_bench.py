@@ -43,3 +43,16 @@ def test_the_suite_names_the_machine_and_can_run_contended(tmp_path):
     header = out.read_text().split("|", 1)[0]
     assert "L2 " in header and "per core" in header and "CPUs" in header
     assert "one CPU-bound busy process beside it (--contended)" in header
+
+
+def test_memory_in_several_fresh_processes_under_the_default_malloc(tmp_path):
+    out = tmp_path / "results.md"
+    cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "additive", "--min-time", "0.01"]
+    cmd += ["--memory-runs", "2", "--default-malloc", "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = out.read_text()
+    assert "for memory: glibc's default malloc, 2 fresh process(es), median (worst)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| numpy") and "| additive |" in line)
+    textbook, multiattn, ratio = (cell.strip() for cell in row.strip("|").split("|")[-3:])
+    assert float(textbook.split()[0]) > float(multiattn.split()[0]) > 0 and ratio.endswith("x")
