@@ -287,3 +287,25 @@ def test_additive_blocks_under_vmap_and_no_grad(tiny_blocks):
     with torch.no_grad():
         got = vmap(one)(*(torch.tensor(a) for a in (q, k, v, lens)))
     np.testing.assert_allclose(got.numpy(), ref.additive_attention(q, k, v, lens, *W)[0], rtol=1e-12)
+
+
+def test_the_sigmoid_calibration_runs_under_vmap_and_no_grad(monkeypatch):
+    # the first additive call of a process may come inside torch.func.vmap, which refuses random ops
+    import torch
+    from torch.func import vmap
+
+    from multiattn import _machine
+
+    m = _module()
+    monkeypatch.setattr(_machine, "_MEASURED", {})
+    monkeypatch.setattr(m.ops, "feature_block_elements", 70)
+    q, k, v, lens, W = _additive_case(np.random.default_rng(21))
+    Wt = [torch.tensor(w) for w in W]
+
+    def one(q, k, v, n):
+        return m.additive_attention(q[None], k[None], v[None], n[None], W_q=Wt[0], W_k=Wt[1], w_v=Wt[2])[0]
+
+    with torch.no_grad():
+        got = vmap(one)(*(torch.tensor(a) for a in (q, k, v, lens)))
+    assert _machine._MEASURED, "the calibration did not run"
+    np.testing.assert_allclose(got.numpy(), ref.additive_attention(q, k, v, lens, *W)[0], rtol=1e-12)

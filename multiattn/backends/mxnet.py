@@ -66,7 +66,7 @@ class MxnetOps(Ops):
 
     def tanh_by_sigmoid(self, features):
         key = (features.dtype, str(features.ctx))
-        x = np.random.normal(size=(self.feature_block_elements,), ctx=features.ctx).astype(features.dtype)
+        x = np.linspace(-4.0, 4.0, self.feature_block_elements, ctx=features.ctx).astype(features.dtype)
         return measured_faster(key, lambda: npx.sigmoid(x).wait_to_read(), lambda: np.tanh(x).wait_to_read())
 
     def sigmoid_of_sum(self, a, b, buffers):
