@@ -32,16 +32,24 @@ def l2_cache_bytes(default: int = 2 << 20, cache_dir: str = "/sys/devices/system
 _MEASURED: dict = {}
 
 
-def measured_faster(key: Any, first: Callable[[], Any], second: Callable[[], Any], repeat: int = 5) -> bool:
-    """Whether ``first()`` takes less time than ``second()`` on this machine (best of repeat,
-    alternating), measured once per key and process: a few ms of calibration at first use."""
+def measured_faster(
+    key: Any,
+    first: Callable[[Any], Any],
+    second: Callable[[Any], Any],
+    make_input: Callable[[], Any],
+    repeat: int = 5,
+) -> bool:
+    """Whether ``first(x)`` takes less time than ``second(x)`` on this machine (best of repeat,
+    alternating), x = make_input(), measured once per key and process: a few ms at first use,
+    a dict lookup after."""
     if key not in _MEASURED:
+        x = make_input()
         best = [math.inf, math.inf]
-        first(), second()  # warm up
+        first(x), second(x)  # warm up
         for _ in range(repeat):
             for i, run in enumerate((first, second)):
                 start = time.perf_counter()
-                run()
+                run(x)
                 best[i] = min(best[i], time.perf_counter() - start)
         _MEASURED[key] = best[0] < best[1]
     return _MEASURED[key]

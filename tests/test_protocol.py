@@ -63,9 +63,15 @@ def test_measured_faster_measures_once_per_key():
 
     from multiattn._machine import measured_faster
 
-    calls = []
-    slow, fast = (lambda: (calls.append("slow"), time.sleep(0.002))), (lambda: calls.append("fast"))
-    assert measured_faster(("test", 1), fast, slow) is True
-    assert measured_faster(("test", 2), slow, fast) is False
+    calls, inputs = [], []
+    slow, fast = (lambda x: (calls.append("slow"), time.sleep(0.002))), (lambda x: calls.append("fast"))
+
+    def make_input():
+        inputs.append(1)
+        return 0
+
+    assert measured_faster(("test", 1), fast, slow, make_input) is True
+    assert measured_faster(("test", 2), slow, fast, make_input) is False
     count = len(calls)
-    assert measured_faster(("test", 1), slow, fast) is True and len(calls) == count  # cached
+    assert measured_faster(("test", 1), slow, fast, make_input) is True and len(calls) == count  # cached
+    assert len(inputs) == 2  # the input is built only to measure

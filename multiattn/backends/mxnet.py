@@ -65,9 +65,13 @@ class MxnetOps(Ops):
         return np.tanh(x)
 
     def tanh_by_sigmoid(self, features):
-        key = (features.dtype, str(features.ctx))
-        x = np.linspace(-4.0, 4.0, self.feature_block_elements, ctx=features.ctx).astype(features.dtype)
-        return measured_faster(key, lambda: npx.sigmoid(x).wait_to_read(), lambda: np.tanh(x).wait_to_read())
+        dtype, ctx = features.dtype, features.ctx
+        return measured_faster(
+            (dtype, str(ctx)),
+            lambda x: npx.sigmoid(x).wait_to_read(),
+            lambda x: np.tanh(x).wait_to_read(),
+            lambda: np.linspace(-4.0, 4.0, self.feature_block_elements, ctx=ctx).astype(dtype),
+        )
 
     def sigmoid_of_sum(self, a, b, buffers):
         return npx.sigmoid(a + b)

@@ -78,10 +78,10 @@ class TorchOps(Ops):
     def tanh_by_sigmoid(self, features):
         if torch.compiler.is_compiling() or torch.jit.is_tracing():  # compilers fuse their own way
             return False
-        key = (features.dtype, features.device)
+        dtype, device = features.dtype, features.device
         # a fixed ramp, not random numbers: random ops are refused inside torch.func.vmap
-        x = torch.linspace(-4.0, 4.0, self.feature_block_elements, device=features.device).to(features.dtype)
-        return measured_faster(key, lambda: torch.sigmoid(x), lambda: torch.tanh(x))
+        ramp = lambda: torch.linspace(-4.0, 4.0, self.feature_block_elements, device=device).to(dtype)  # noqa: E731
+        return measured_faster((dtype, device), torch.sigmoid, torch.tanh, ramp)
 
     def sigmoid_of_sum(self, a, b, buffers):
         return _activation_of_sum(torch.sigmoid, torch.Tensor.sigmoid_, a, b, buffers)
