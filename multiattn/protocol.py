@@ -107,6 +107,10 @@ class Ops:
         """The most negative finite value of x's dtype."""
         raise NotImplementedError
 
+    def cast(self, x: Tensor, like: Tensor) -> Tensor:
+        """x in like's dtype (x itself where it has it already), differentiable."""
+        raise NotImplementedError
+
     # -- optional steps: generic here, overridden where a framework does better ---------
 
     # Elements of one block of additive features: the scores are made block by block over
@@ -229,7 +233,7 @@ class Ops:
 
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
-    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "where", "lowest",
+    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "where", "lowest", "cast",
 )  # fmt: skip
 
 

@@ -77,6 +77,9 @@ class ArrayApiOps(Ops):
     def lowest(self, x):
         return float(array_namespace(x).finfo(x.dtype).min)
 
+    def cast(self, x, like):
+        return array_namespace(x).astype(x, like.dtype)
+
 
 ops = ArrayApiOps()
 masked_softmax, dot_product_attention, additive_attention = bind(ops)

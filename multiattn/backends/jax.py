@@ -72,6 +72,9 @@ class JaxOps(Ops):
     def lowest(self, x):
         return float(jnp.finfo(x.dtype).min)
 
+    def cast(self, x, like):
+        return x.astype(like.dtype)
+
     def map_query_blocks(self, score_block, queries, step):
         # Under jit a Python loop's blocks are all alive at once in XLA; lax.map runs one
         # after another in one buffer.  Eagerly, lax.map would compile its body on every call.

@@ -72,6 +72,9 @@ class MlxOps(Ops):
     def lowest(self, x):
         return float(mx.finfo(x.dtype).min)
 
+    def cast(self, x, like):
+        return x if x.dtype == like.dtype else x.astype(like.dtype)
+
     def settle(self, x):
         # mlx is lazy: without this one graph holds every additive block's features at once.
         # mx.eval is refused inside mx.compile and mx.vmap: there the blocks stay lazy.

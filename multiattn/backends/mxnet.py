@@ -99,6 +99,9 @@ class MxnetOps(Ops):
     def lowest(self, x):
         return float(onp.finfo(x.dtype).min)
 
+    def cast(self, x, like):
+        return x if x.dtype == like.dtype else x.astype(like.dtype)
+
     # mxnet's `where` is slow next to its sequence mask (a select, so NaN in the padding stays
     # out): the padding is written by the sequence mask, on views (mxnet.numpy's reshape
     # copies) and into the core's own scores (out=) outside autograd.

@@ -113,6 +113,9 @@ class PaddleOps(Ops):
     def lowest(self, x):
         return float(paddle.finfo(x.dtype).min)
 
+    def cast(self, x, like):
+        return x if x.dtype == like.dtype else x.astype(like.dtype)
+
     def host_lengths(self, x, lens):
         # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
         # under autograd (softmax's backward needs its output as it was), not in a static

@@ -109,6 +109,9 @@ class TensorFlowOps(Ops):
     def lowest(self, x):
         return float(tf.as_dtype(x.dtype).min)
 
+    def cast(self, x, like):
+        return tf.cast(x, like.dtype)
+
 
 def _matmul_weight(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
     """a (..., n) @ b (n, m) or (n,): a weight, not a batch, so one plain 2-D MatMul over a's

@@ -127,6 +127,9 @@ class TorchOps(Ops):
     def lowest(self, x):
         return _LOWEST[x.dtype]
 
+    def cast(self, x, like):
+        return x.to(like.dtype)
+
     def where_owned(self, mask, x, fill):
         # in place unless autograd tracks x; small x: one torch.where costs less than ~mask and a fill
         if x.numel() < SMALL_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):

@@ -86,16 +86,23 @@ def canonical_from_stored(
 class CanonicalWeightsMixin:
     """get_weights()/set_weights() in the canonical layout, for every adapter.
 
-    A subclass sets key_size, query_size, num_hiddens and implements
-    _read_weights() and _write_weights(dict of numpy arrays).
+    A subclass sets key_size, query_size, num_hiddens, says how its framework stores the
+    weights (``_stored_in_out``: (in, out) as Keras, flax and paddle; else (out, in) as torch,
+    mlx and mxnet), hands them out with ``_stored_weights()`` -> (W_q, W_k, w_v (h,)), its
+    framework's tensors as stored, and implements _write_weights(dict of numpy arrays).
     """
 
     key_size: int
     query_size: int
     num_hiddens: int
+    _stored_in_out: bool = False
+    _to_numpy: Callable[[Any], np.ndarray]
+
+    def _stored_weights(self) -> Tuple[Tensor, Tensor, Tensor]:
+        raise NotImplementedError
 
     def _read_weights(self) -> CanonicalWeights:
-        raise NotImplementedError
+        return canonical_from_stored(*self._stored_weights(), self._to_numpy, self._stored_in_out)
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         raise NotImplementedError
@@ -112,19 +119,13 @@ class CanonicalWeightsMixin:
 class AttentionCall:
     """The call from a layer into the strategies, shared by every framework's classes.
 
-    A framework's layers set ``_ops`` (the backend's ``Ops``); additive layers also
-    define ``_projections(queries)``: (W_q as a function, W_k as a function, w_v (h,)),
-    in the queries' dtype.
+    A framework's layers set ``_ops`` (the backend's ``Ops``); additive layers are also
+    ``CanonicalWeightsMixin``s (their ``_stored_weights`` and ``_stored_in_out``).
     """
 
     _ops: Ops
     query_size: Optional[int] = None
     key_size: Optional[int] = None
-
-    def _projections(
-        self, queries: Tensor
-    ) -> Tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor], Tensor]:
-        raise NotImplementedError
 
     def _dot_product(self, queries, keys, values, valid_lens, dropout, need_weights=True):
         """(output, weights or None) of dot-product attention."""
@@ -135,10 +136,13 @@ class AttentionCall:
 
     def _additive(self, queries, keys, values, valid_lens, dropout):
         """(output, weights) of additive attention with this layer's parameters."""
-        self._ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        project_q, project_k, w_v = self._projections(queries)
+        ops = self._ops
+        ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
+        # computed in the inputs' dtype, the parameters cast to it (no-op where they match)
+        W_q, W_k, w_v = (ops.cast(p, queries) for p in self._stored_weights())
+        product = ops.matmul if self._stored_in_out else ops.matmul_t
         return strategies.additive_attention(
-            self._ops, queries, keys, values, valid_lens,
-            project_q=project_q, project_k=project_k, w_v=w_v,
+            ops, queries, keys, values, valid_lens,
+            project_q=lambda q: product(q, W_q), project_k=lambda k: product(k, W_k), w_v=w_v,
             query_size=self.query_size, key_size=self.key_size, dropout=dropout,
         )  # fmt: skip

@@ -20,7 +20,6 @@ from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -29,7 +28,7 @@ from . import (
 class _Module(AttentionCall, nnx.Module):
     """Dropout and the attention weights of the nnx modules."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float, rngs: Optional[nnx.Rngs]) -> None:
         self.dropout = nnx.Dropout(check_dropout(dropout), rngs=rngs)
@@ -70,6 +69,8 @@ class DotProductAttention(_Module):
 class AdditiveAttention(CanonicalWeightsMixin, _Module):
     """Additive attention with ``nnx.Linear(use_bias=False)`` maps; kernels are (in, out)."""
 
+    _stored_in_out = True
+
     def __init__(
         self,
         key_size: int,
@@ -88,21 +89,18 @@ class AdditiveAttention(CanonicalWeightsMixin, _Module):
         self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
         self.w_v = nnx.Linear(self.num_hiddens, 1, **linear)
 
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(
-            *(layer.kernel[...] for layer in (self.W_q, self.W_k, self.w_v)), to_numpy, stored_in_out=True
-        )
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
             kernel = getattr(self, key).kernel
             layout = value.T if value.ndim == 2 else value[:, None]
             kernel.set_value(jnp.asarray(layout, dtype=kernel[...].dtype))
 
-    def _projections(self, queries):
-        dtype = queries.dtype
-        W_q, W_k = self.W_q.kernel[...].astype(dtype), self.W_k.kernel[...].astype(dtype)
-        return (lambda q: q @ W_q), (lambda k: k @ W_k), self.w_v.kernel[...][:, 0].astype(dtype)
+    def _stored_weights(self):
+        return (
+            self.W_q.kernel[...],
+            self.W_k.kernel[...],
+            self.w_v.kernel[...][:, 0],
+        )  # W_q, W_k stored (in, out); w_v (h,)
 
     def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
         result = self._additive(queries, keys, values, valid_lens, self.dropout)

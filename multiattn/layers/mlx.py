@@ -12,7 +12,6 @@ from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -21,7 +20,7 @@ from . import (
 class DotProductAttention(AttentionCall, nn.Module):
     """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
@@ -45,7 +44,9 @@ class DotProductAttention(AttentionCall, nn.Module):
 class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
     """Additive attention with ``nn.Linear(bias=False)``; MLX stores weights (out, in)."""
 
-    _ops = ops
+    _stored_in_out = False
+
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -60,24 +61,13 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
     def attention_weights(self) -> Optional[mx.array]:
         return self._attention_weights
 
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(
-            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=False
-        )
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
             linear = getattr(self, key)
             linear.weight = from_numpy(value.reshape(linear.weight.shape)).astype(linear.weight.dtype)
 
-    def _projections(self, queries):
-        # computed in the inputs' dtype, the parameters cast to it; mlx stores them (out, in)
-        dtype = queries.dtype
-        W_q, W_k, w_v = (
-            linear.weight if linear.weight.dtype == dtype else linear.weight.astype(dtype)
-            for linear in (self.W_q, self.W_k, self.w_v)
-        )
-        return (lambda q: q @ W_q.T), (lambda k: k @ W_k.T), w_v[0]
+    def _stored_weights(self):
+        return self.W_q.weight, self.W_k.weight, self.w_v.weight[0]  # W_q, W_k stored (out, in); w_v (h,)
 
     def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
         out, self._attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)

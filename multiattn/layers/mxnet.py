@@ -13,7 +13,6 @@ from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -22,7 +21,7 @@ from . import (
 class DotProductAttention(AttentionCall, nn.Block):
     """Scaled dot-product attention; dropout only inside ``autograd.record()``."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -44,7 +43,9 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Block):
     there is no ``initialize()`` to call; calling it anyway only warns.
     """
 
-    _ops = ops
+    _stored_in_out = False
+
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(
         self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
@@ -59,21 +60,17 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Block):
         self.attention_weights = None
         self.initialize()
 
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(
-            *(layer.weight.data() for layer in (self.W_q, self.W_k, self.w_v)), to_numpy, stored_in_out=False
-        )
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
             param = getattr(self, key).weight
             param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
 
-    def _projections(self, queries):
-        dtype = queries.dtype
-        W_q, W_k = self.W_q.weight.data().astype(dtype), self.W_k.weight.data().astype(dtype)
-        w_v = self.w_v.weight.data()[0].astype(dtype)
-        return (lambda q: ops.matmul_t(q, W_q)), (lambda k: ops.matmul_t(k, W_k)), w_v
+    def _stored_weights(self):
+        return (
+            self.W_q.weight.data(),
+            self.W_k.weight.data(),
+            self.w_v.weight.data()[0],
+        )  # W_q, W_k stored (out, in); w_v (h,)
 
     def forward(self, queries, keys, values, valid_lens=None):
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ..backends.numpy import ops
+from ..backends.numpy import ops, to_numpy
 from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
 
 Seed = Union[None, int, np.random.Generator]
@@ -16,7 +16,7 @@ Seed = Union[None, int, np.random.Generator]
 class _Layer(AttentionCall):
     """The training flag and dropout of the numpy layers."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float, seed: Seed) -> None:
         self.dropout = check_dropout(dropout)
@@ -60,6 +60,8 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     inputs' dtype, so the output dtype is the input dtype.
     """
 
+    _stored_in_out = False
+
     def __init__(
         self,
         key_size: int,
@@ -82,17 +84,12 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         self.W_k = init((self.num_hiddens, self.key_size), self.key_size)
         self.w_v = init((self.num_hiddens,), self.num_hiddens)
 
-    def _read_weights(self) -> CanonicalWeights:
-        return {"W_q": self.W_q.copy(), "W_k": self.W_k.copy(), "w_v": self.w_v.copy()}
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
             setattr(self, key, value.astype(self.dtype))
 
-    def _projections(self, queries):
-        dtype = queries.dtype
-        W_q, W_k = self.W_q.T.astype(dtype, copy=False), self.W_k.T.astype(dtype, copy=False)
-        return (lambda q: q @ W_q), (lambda k: k @ W_k), self.w_v.astype(dtype, copy=False)
+    def _stored_weights(self):
+        return self.W_q, self.W_k, self.w_v  # W_q, W_k stored (out, in); w_v (h,)
 
     def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self._dropout)

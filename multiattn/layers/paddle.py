@@ -13,7 +13,6 @@ from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -22,7 +21,7 @@ from . import (
 class DotProductAttention(AttentionCall, nn.Layer):
     """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
@@ -40,7 +39,9 @@ class DotProductAttention(AttentionCall, nn.Layer):
 class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
     """Additive attention with ``nn.Linear(bias_attr=False)``; paddle stores weights (in, out)."""
 
-    _ops = ops
+    _stored_in_out = True
+
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -51,26 +52,15 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[paddle.Tensor] = None
 
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(
-            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=True
-        )
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
             param = getattr(self, key).weight
             layout = value.T if value.ndim == 2 else value[:, None]
             param.set_value(paddle.to_tensor(np.ascontiguousarray(layout)).astype(param.dtype))
 
-    def _projections(self, queries):
-        # computed in the inputs' dtype, the parameters cast to it; paddle stores them (in, out)
-        W_q, W_k, w_v = (_as(linear.weight, queries.dtype) for linear in (self.W_q, self.W_k, self.w_v))
-        return (lambda q: paddle.matmul(q, W_q)), (lambda k: paddle.matmul(k, W_k)), w_v[:, 0]
+    def _stored_weights(self):
+        return self.W_q.weight, self.W_k.weight, self.w_v.weight[:, 0]  # W_q, W_k stored (in, out); w_v (h,)
 
     def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
         return out
-
-
-def _as(weight, dtype):
-    return weight if weight.dtype == dtype else weight.astype(dtype)

@@ -18,7 +18,6 @@ from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -27,7 +26,7 @@ from . import (
 class _Layer(AttentionCall, keras.layers.Layer):
     """Inputs keep their dtype (no Keras autocast): the output dtype is the input dtype."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, dropout: float, **kwargs: Any) -> None:
         kwargs.setdefault("autocast", False)
@@ -70,6 +69,8 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     canonical layout and transpose.
     """
 
+    _stored_in_out = True
+
     def __init__(
         self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
     ) -> None:
@@ -81,9 +82,6 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         self.W_q = self.add_weight(shape=(self.query_size, self.num_hiddens), name="W_q", **kernel)
         self.w_v = self.add_weight(shape=(self.num_hiddens, 1), name="w_v", **kernel)
         self.built = True
-
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(self.W_q, self.W_k, self.w_v, to_numpy, stored_in_out=True)
 
     def _write_weights(self, weights: CanonicalWeights) -> None:
         for key, value in weights.items():
@@ -105,14 +103,8 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         else:
             CanonicalWeightsMixin.set_weights(self, weights)
 
-    def _projections(self, queries):
-        dtype = queries.dtype
-        W_q, W_k = tf.cast(self.W_q, dtype), tf.cast(self.W_k, dtype)
-        return (
-            (lambda q: ops.matmul(q, W_q)),
-            (lambda k: ops.matmul(k, W_k)),
-            tf.reshape(tf.cast(self.w_v, dtype), [-1]),
-        )
+    def _stored_weights(self):
+        return self.W_q, self.W_k, tf.reshape(self.w_v, [-1])  # W_q, W_k stored (in, out); w_v (h,)
 
     def call(self, queries, keys, values, valid_lens=None, training=None):
         out, self.attention_weights = self._additive(

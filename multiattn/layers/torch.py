@@ -11,14 +11,12 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..backends.torch import ops, to_numpy
 from . import (
     AttentionCall,
     CanonicalWeights,
     CanonicalWeightsMixin,
-    canonical_from_stored,
     check_dropout,
     check_sizes,
 )
@@ -29,7 +27,7 @@ class _Layer(AttentionCall, nn.Module):
     (``copy.deepcopy`` refuses tensors of an autograd graph; EMA copies and target networks
     deep-copy a module after a forward call)."""
 
-    _ops = ops
+    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __getstate__(self):
         state = dict(super().__getstate__())
@@ -58,6 +56,8 @@ class DotProductAttention(_Layer):
 class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
 
+    _stored_in_out = False
+
     def __init__(
         self,
         key_size: int,
@@ -78,21 +78,14 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[torch.Tensor] = None
 
-    def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(
-            self.W_q.weight, self.W_k.weight, self.w_v.weight, to_numpy, stored_in_out=False
-        )
-
     def _write_weights(self, weights: CanonicalWeights) -> None:
         with torch.no_grad():
             for key, value in weights.items():
                 param = getattr(self, key).weight
                 param.copy_(torch.from_numpy(value).reshape(param.shape))
 
-    def _projections(self, queries):
-        # computed in the inputs' dtype, the parameters cast to it (a no-op when they match)
-        W_q, W_k, w_v = (linear.weight.to(queries.dtype) for linear in (self.W_q, self.W_k, self.w_v))
-        return (lambda q: F.linear(q, W_q)), (lambda k: F.linear(k, W_k)), w_v[0]
+    def _stored_weights(self):
+        return self.W_q.weight, self.W_k.weight, self.w_v.weight[0]  # W_q, W_k stored (out, in); w_v (h,)
 
     def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
         out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
