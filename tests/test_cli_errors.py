@@ -87,3 +87,12 @@ def test_report_keeps_a_backend_found_in_two_files(tmp_path):
     assert sum(r.startswith("numpy [check-all]") for r in rows) == 12
     assert sum(r.startswith("numpy [check-mxnet]") for r in rows) == 12
     assert all("1.23.5" in r for r in rows if r.startswith("numpy [check-mxnet]"))
+
+
+def test_a_labelled_backend_keeps_its_own_tolerances():
+    from multiattn.check.cases import tolerance
+    from multiattn.check.table import _name
+
+    results = {"mlx [check-all]": {"backend": "mlx"}, "mlx [other]": {"backend": "mlx"}, "torch": {}}
+    assert tolerance(_name(results, "mlx [other]"), "float64") == 1e-6  # mlx's float64 tolerance
+    assert tolerance(_name(results, "torch"), "float64") == 1e-10

@@ -130,5 +130,5 @@ def load_json(paths: List[str]) -> tuple:
     counts = Counter(name for name, _, _ in loaded)
     merged: Dict[str, dict] = {}
     for name, source, res in loaded:
-        merged[f"{name} [{source}]" if counts[name] > 1 else name] = res
+        merged[f"{name} [{source}]" if counts[name] > 1 else name] = {**res, "backend": name}
     return merged, seed

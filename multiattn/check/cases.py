@@ -31,8 +31,7 @@ BACKEND_TOLERANCE = {("mlx", "float64"): 1e-6}
 def tolerance(backend: str, dtype: str, overrides: Optional[Dict[str, float]] = None) -> float:
     if overrides and dtype in overrides:
         return overrides[dtype]
-    name = backend.split(" [")[0]  # a backend labelled with its file by `report`
-    return BACKEND_TOLERANCE.get((name, dtype), TOLERANCE[dtype])
+    return BACKEND_TOLERANCE.get((backend, dtype), TOLERANCE[dtype])
 
 
 def round_to(array: np.ndarray, dtype: str) -> np.ndarray:

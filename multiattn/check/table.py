@@ -35,6 +35,11 @@ class Row:
         return f"{self.cross[other]:.1e} ({other})"
 
 
+def _name(results: Dict[str, dict], label: str) -> str:
+    """The backend behind a row label (`report` labels a backend found in two files)."""
+    return results[label].get("backend", label)
+
+
 def _err(got: np.ndarray, want: np.ndarray) -> float:
     got = np.asarray(got, dtype=np.float64)
     if got.shape != want.shape:
@@ -64,7 +69,7 @@ def build_rows(
                 if res["status"] != "ok":
                     _fail(row, res["status"])
                     continue
-                tol = tolerance(backend, dtype, overrides)
+                tol = tolerance(_name(results, backend), dtype, overrides)
                 for case in (c for c in cases if c.function == function and c.dtype == dtype):
                     _compare_case(row, case, backend, results, tol, overrides)
     return rows
@@ -99,7 +104,7 @@ def _compare_case(row, case, backend, results, tol, overrides) -> None:
             continue
         diff = _err(mine["out"], theirs["out"])
         row.cross[other] = max(row.cross.get(other, 0.0), diff)
-        both = (tol + tolerance(other, case.dtype, overrides)) * scale
+        both = (tol + tolerance(_name(results, other), case.dtype, overrides)) * scale
         if not diff <= both:
             _fail(row, f"{case.mask}: differs from {other} by {diff:.2g} > {both:.2g}")
 
