@@ -6,10 +6,12 @@
 
 Per backend (each in its own subprocess) and size, in the same run: median
 time of the textbook implementation (d2l's way, benchmarks/textbook.py),
-multiattn (weights materialised, as d2l; and, for dot-product, the
-no-weights fast path), and the floor (matmul, softmax, matmul, no mask).  Peak
-memory: the growth of the process's peak RSS during one call, each measured in
-a fresh subprocess.  Ratios are to the textbook and to the floor of the same run.
+multiattn (weights materialised, as d2l; and, for dot-product and multi-head,
+the no-weights fast path), and the floor (matmul, softmax, matmul, no mask).
+For multi-head attention (d2l 11.5) on torch also torch.nn.MultiheadAttention,
+with and without its weights, in a second table.  Peak memory: the growth of
+the process's peak RSS during one call, each measured in a fresh subprocess.
+Ratios are to the textbook and to the floor of the same run.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -35,9 +38,13 @@ SIZES = {
     "medium": ("dot", 8, 512, 512, 64, 64, 64, 0),
     "long": ("dot", 4, 2048, 2048, 64, 64, 64, 0),
     "additive": ("additive", 4, 256, 256, 32, 16, 64, 64),
+    "multihead": ("multihead", 8, 512, 512, 512, 512, 512, 512),  # num_hiddens 512 in NUM_HEADS heads
 }
+NUM_HEADS = 8
 MEMORY_SIZES = ("long", "additive")
 IMPLS = ("textbook", "multiattn", "multiattn-fast", "floor")
+# the framework's own multi-head layer (torch only), with and without its weights
+LAYER_IMPLS = ("torch-mha", "torch-mha-fast")
 
 
 def _inputs(backend: str, size: str, module):
@@ -56,10 +63,13 @@ def _inputs(backend: str, size: str, module):
     if kind == "additive":
         for shape in ((h, d), (h, k_width), (h,)):
             tensors.append(module.from_numpy(rng.normal(size=shape) * 0.3, "float32"))
+    if kind == "multihead":  # W_q, W_k, W_v, W_o, canonical (out, in), scaled to keep unit variance
+        for shape in ((h, d), (h, k_width), (h, v_width), (h, h)):
+            tensors.append(module.from_numpy(rng.normal(size=shape) / shape[1] ** 0.5, "float32"))
     return kind, tensors
 
 
-def _functions(backend: str, module, kind: str) -> dict:
+def _functions(backend: str, module, kind: str, args: list) -> dict:
     from textbook import implementations
 
     impls = implementations(backend)
@@ -72,6 +82,20 @@ def _functions(backend: str, module, kind: str) -> dict:
             "multiattn-fast": lambda q, k, v, lens: module.dot_product_attention(q, k, v, lens),
             "floor": impls["floor"][0],
         }
+    elif kind == "multihead":
+
+        def multiattn(q, k, v, lens, W_q, W_k, W_v, W_o, **kwargs):
+            weights = {"W_q": W_q, "W_k": W_k, "W_v": W_v, "W_o": W_o}
+            return module.multi_head_attention(q, k, v, lens, weights=weights, num_heads=NUM_HEADS, **kwargs)
+
+        fns = {
+            "textbook": partial(impls["textbook_mha"], num_heads=NUM_HEADS),
+            "multiattn": lambda *a: multiattn(*a, return_weights=True)[0],
+            "multiattn-fast": multiattn,
+            "floor": partial(impls["floor_mha"], num_heads=NUM_HEADS),
+        }
+        if backend == "torch":
+            fns.update(_torch_layer(*args))
     else:
         fns = {
             "textbook": impls["textbook"][1],
@@ -85,6 +109,27 @@ def _functions(backend: str, module, kind: str) -> dict:
 
         fns = {name: jax.jit(f) for name, f in fns.items()}
     return fns
+
+
+def _torch_layer(q, k, v, lens, W_q, W_k, W_v, W_o) -> dict:
+    """torch.nn.MultiheadAttention holding the same canonical weights, padding from the lengths."""
+    import torch
+
+    layer = torch.nn.MultiheadAttention(W_q.shape[0], NUM_HEADS, bias=False, batch_first=True).eval()
+    with torch.no_grad():
+        layer.in_proj_weight.copy_(torch.cat([W_q, W_k, W_v], 0))
+        layer.out_proj.weight.copy_(W_o)
+
+    def call(q, k, v, lens, *weights, need_weights):
+        padding = torch.arange(k.shape[1], device=k.device) >= lens[:, None]  # True = padding
+        return layer(
+            q, k, v, key_padding_mask=padding, need_weights=need_weights, average_attn_weights=False
+        )[0]
+
+    return {
+        "torch-mha": partial(call, need_weights=True),
+        "torch-mha-fast": partial(call, need_weights=False),
+    }
 
 
 def _sync(backend: str, out) -> None:
@@ -121,7 +166,7 @@ def time_backend(backend: str, sizes: list, min_time: float) -> dict:
     with _context(backend):
         for size in sizes:
             kind, args = _inputs(backend, size, module)
-            fns = _functions(backend, module, kind)
+            fns = _functions(backend, module, kind, args)
             for fn in fns.values():
                 for _ in range(2):  # warm-up (and jit compilation)
                     _sync(backend, fn(*args))
@@ -146,7 +191,7 @@ def memory_once(backend: str, size: str, impl: str) -> float:
     module = _setup(backend)
     with _context(backend):
         kind, args = _inputs(backend, size, module)
-        fn = _functions(backend, module, kind)[impl]
+        fn = _functions(backend, module, kind, args)[impl]
         if backend == "jax":  # compile first: the compiler's memory is not the call's
             fn.lower(*args).compile()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -247,7 +292,36 @@ def render(results: dict, sizes: list) -> str:
                 f"{_ratio(t['multiattn'], t['floor'])} | {_ratio(t['multiattn-fast'], t['floor'])} | "
                 f"{mem['textbook']} | {mem['multiattn']} | {_ratio(m['multiattn'], m['textbook'])} |"
             )
-    return "\n".join(lines)
+    return "\n".join(lines + _render_layers(results, sizes))
+
+
+def _render_layers(results: dict, sizes: list) -> list:
+    """The second table: multiattn against the framework's own multi-head layer, where timed."""
+    rows = []
+    for backend, res in results.items():
+        for size in sizes:
+            t = {impl: res.get("times", {}).get(f"{size}/{impl}") for impl in IMPLS + LAYER_IMPLS}
+            if t["torch-mha"] is None and t["torch-mha-fast"] is None:
+                continue
+            ms = {k: "-" if v is None else f"{v * 1e3:.2f} ms" for k, v in t.items()}
+            rows.append(
+                f"| {backend} {res['version']} | {size} | {ms['multiattn']} | {ms['torch-mha']} | "
+                f"{_ratio(t['multiattn'], t['torch-mha'])} | {ms['multiattn-fast']} | "
+                f"{ms['torch-mha-fast']} | {_ratio(t['multiattn-fast'], t['torch-mha-fast'])} |"
+            )
+    if not rows:
+        return []
+    return [
+        "",
+        "Against torch.nn.MultiheadAttention (bias=False, batch_first, eval, no_grad) holding the same "
+        "weights, key_padding_mask from the lengths; `torch-mha` returns the per-head weights "
+        "(need_weights=True, average_attn_weights=False), `torch-mha fast` none (need_weights=False).",
+        "",
+        "| backend | size | multiattn | torch-mha | multiattn / torch-mha | fast path | torch-mha fast | "
+        "fast / torch-mha fast |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+    ]
 
 
 def main() -> int:
@@ -318,8 +392,9 @@ def main() -> int:
             if args.default_malloc
             else f"for memory: every block its own mapping (see run.py), {args.memory_runs} run(s), median.\n"
         )
-        + "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product\n"
-        "call without weights (the framework's fused kernel where the adapter uses one on this machine).\n\n"
+        + "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product or\n"
+        "multi-head call without weights (the framework's fused kernel where the adapter uses one on this\n"
+        f"machine).  `multihead` is d2l 11.5 multi-head attention, {NUM_HEADS} heads, no biases.\n\n"
     )
     Path(args.out).write_text(header + table + "\n")
     print(table)

@@ -6,7 +6,13 @@ materialises the whole (B, Q, K, h) feature tensor).
 ``floor``: batched matmul, softmax, batched matmul with no mask at all: the
 least work any implementation that materialises the weights can do.
 Each returns functions (q, k, v, lens) and (q, k, v, lens, W_q, W_k, w_v),
-weights in the canonical layout W_q (h, q), W_k (h, k), w_v (h,).
+weights in the canonical layout W_q (h, q), W_k (h, k), w_v (h,); and, under
+``textbook_mha`` and ``floor_mha``, multi-head attention (d2l 11.5)
+(q, k, v, lens, W_q, W_k, W_v, W_o, *, num_heads), weights W_q (h, q), W_k (h, k),
+W_v (h, v), W_o (h, h), no biases: project (x @ W.T), d2l's transpose_qkv to
+(B * H, n, h / H), the lengths repeated per head (repeat_interleave), the
+dot-product above on every head, transpose_output back to (B, Q, h), @ W_o.T.
+``floor_mha`` is the same with the floor's unmasked dot-product.
 """
 
 from __future__ import annotations
@@ -14,8 +20,23 @@ from __future__ import annotations
 import math
 
 
-def _numpy(np, softmax, bmm, transpose, repeat, arange, where, tanh, reshape=lambda x, s: x.reshape(s)):
+def _numpy(
+    np,
+    softmax,
+    bmm,
+    transpose,
+    repeat,
+    arange,
+    where,
+    tanh,
+    reshape=lambda x, s: x.reshape(s),
+    permute=None,
+):
     """The d2l formulas over a namespace of primitives (numpy-like frameworks)."""
+    if permute is None:  # (0, 2, 1, 3), the heads' axis swapped with the rows'
+
+        def permute(x):
+            return np.transpose(x, (0, 2, 1, 3))
 
     def masked_softmax(X, valid_lens):
         B, Q, K = X.shape
@@ -40,7 +61,31 @@ def _numpy(np, softmax, bmm, transpose, repeat, arange, where, tanh, reshape=lam
         features = tanh(bmm(q, transpose(W_q))[:, :, None, :] + bmm(k, transpose(W_k))[:, None, :, :])
         return bmm(softmax(bmm(features, w_v)), v)
 
-    return {"textbook": (dot, additive), "floor": (floor, floor_additive)}
+    def transpose_qkv(X, num_heads):  # (B, n, h) -> (B * H, n, h / H)
+        X = permute(reshape(X, (X.shape[0], X.shape[1], num_heads, -1)))
+        return reshape(X, (-1, X.shape[2], X.shape[3]))
+
+    def transpose_output(X, num_heads):  # (B * H, Q, h / H) -> (B, Q, h)
+        X = permute(reshape(X, (-1, num_heads, X.shape[1], X.shape[2])))
+        return reshape(X, (X.shape[0], X.shape[1], -1))
+
+    def multi_head(attention, q, k, v, W_q, W_k, W_v, W_o, num_heads):
+        q, k, v = (transpose_qkv(bmm(x, transpose(W)), num_heads) for x, W in ((q, W_q), (k, W_k), (v, W_v)))
+        return bmm(transpose_output(attention(q, k, v), num_heads), transpose(W_o))
+
+    def mha(q, k, v, lens, W_q, W_k, W_v, W_o, *, num_heads):
+        lens = repeat(lens, num_heads)  # d2l: repeat_interleave(valid_lens, num_heads)
+        return multi_head(lambda *qkv: dot(*qkv, lens), q, k, v, W_q, W_k, W_v, W_o, num_heads)
+
+    def floor_mha(q, k, v, lens, W_q, W_k, W_v, W_o, *, num_heads):
+        return multi_head(lambda *qkv: floor(*qkv, None), q, k, v, W_q, W_k, W_v, W_o, num_heads)
+
+    return {
+        "textbook": (dot, additive),
+        "floor": (floor, floor_additive),
+        "textbook_mha": mha,
+        "floor_mha": floor_mha,
+    }
 
 
 def implementations(backend: str) -> dict:
@@ -88,7 +133,33 @@ def implementations(backend: str) -> dict:
             features = torch.tanh((q @ W_q.T).unsqueeze(2) + (k @ W_k.T).unsqueeze(1))
             return torch.bmm(torch.softmax(features @ w_v, -1), v)
 
-        return {"textbook": (dot, additive), "floor": (floor, floor_additive)}
+        def transpose_qkv(X, num_heads):  # d2l/torch.py
+            X = X.reshape(X.shape[0], X.shape[1], num_heads, -1)
+            X = X.permute(0, 2, 1, 3)
+            return X.reshape(-1, X.shape[2], X.shape[3])
+
+        def transpose_output(X, num_heads):
+            X = X.reshape(-1, num_heads, X.shape[1], X.shape[2])
+            X = X.permute(0, 2, 1, 3)
+            return X.reshape(X.shape[0], X.shape[1], -1)
+
+        def multi_head(attention, q, k, v, W_q, W_k, W_v, W_o, num_heads):
+            q, k, v = (transpose_qkv(x @ W.T, num_heads) for x, W in ((q, W_q), (k, W_k), (v, W_v)))
+            return transpose_output(attention(q, k, v), num_heads) @ W_o.T
+
+        def mha(q, k, v, lens, W_q, W_k, W_v, W_o, *, num_heads):
+            lens = torch.repeat_interleave(lens, repeats=num_heads, dim=0)
+            return multi_head(lambda *qkv: dot(*qkv, lens), q, k, v, W_q, W_k, W_v, W_o, num_heads)
+
+        def floor_mha(q, k, v, lens, W_q, W_k, W_v, W_o, *, num_heads):
+            return multi_head(lambda *qkv: floor(*qkv, None), q, k, v, W_q, W_k, W_v, W_o, num_heads)
+
+        return {
+            "textbook": (dot, additive),
+            "floor": (floor, floor_additive),
+            "textbook_mha": mha,
+            "floor_mha": floor_mha,
+        }
     if backend == "tensorflow":
         import tensorflow as tf
 
@@ -117,7 +188,10 @@ def implementations(backend: str) -> dict:
             jnp.where,
             jnp.tanh,
         )
-        return {name: tuple(jax.jit(f) for f in fs) for name, fs in impls.items()}
+        return {
+            name: jax.jit(fs, static_argnames="num_heads") if callable(fs) else tuple(jax.jit(f) for f in fs)
+            for name, fs in impls.items()
+        }
     if backend == "paddle":
         import paddle
 

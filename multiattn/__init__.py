@@ -1,11 +1,12 @@
-"""multiattn: the attention scoring functions of d2l 11.3, once, for every framework.
+"""multiattn: the attention of d2l 11.3 and 11.5, once, for every framework.
 
 Importing this package imports no framework.  Two ways in:
 
 * functions that follow the tensors: ``masked_softmax``, ``dot_product_attention``
   run on whichever framework made their arguments;
 * layer classes of the backend named by ``MULTIATTN_BACKEND`` (default numpy):
-  ``multiattn.AdditiveAttention``, ``multiattn.DotProductAttention``, or of any
+  ``multiattn.AdditiveAttention``, ``multiattn.DotProductAttention``,
+  ``multiattn.MultiHeadAttention``, or of any
   backend via ``multiattn.get_backend(name)``.
 """
 
@@ -27,11 +28,13 @@ __all__ = [
     "DotProductAttention",
     "ENV_VAR",
     "InputDtypeError",
+    "MultiHeadAttention",
     "additive_attention",
     "backend",
     "dot_product_attention",
     "get_backend",
     "masked_softmax",
+    "multi_head_attention",
 ]
 
 
@@ -40,23 +43,36 @@ def backend() -> str:
     return _selected_backend()
 
 
-def masked_softmax(X: Any, valid_lens: Any = None) -> Any:
-    """Softmax over X's last axis, positions >= valid_lens exactly 0, on X's framework."""
-    name = framework_of_call(X=X, valid_lens=valid_lens)
-    return get_backend(name).masked_softmax(X, valid_lens)
+def masked_softmax(
+    X: Any, valid_lens: Any = None, *, attention_mask: Any = None, causal: bool = False
+) -> Any:
+    """Softmax over X's last axis, hidden positions exactly 0, on X's framework: positions
+    >= valid_lens, where attention_mask is False (True: may attend), and j > i when causal."""
+    name = framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
+    return get_backend(name).masked_softmax(X, valid_lens, attention_mask=attention_mask, causal=causal)
 
 
 def dot_product_attention(
-    queries: Any, keys: Any, values: Any, valid_lens: Any = None, *, return_weights: bool = False
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    attention_mask: Any = None,
+    causal: bool = False,
+    return_weights: bool = False,
 ) -> Any:
     """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments.
 
     With ``return_weights=True`` returns ``(output, attention_weights)``.
     """
-    name = framework_of_call(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-    return get_backend(name).dot_product_attention(
-        queries, keys, values, valid_lens, return_weights=return_weights
+    name = framework_of_call(
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
+    return get_backend(name).dot_product_attention(
+        queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
+        return_weights=return_weights,
+    )  # fmt: skip
 
 
 def additive_attention(
@@ -68,16 +84,45 @@ def additive_attention(
     W_q: Any,
     W_k: Any,
     w_v: Any,
+    attention_mask: Any = None,
+    causal: bool = False,
     return_weights: bool = False,
 ) -> Any:
     """Additive attention with weight tensors in the canonical layout, on their framework:
     W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,)."""
     name = framework_of_call(
-        queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v
-    )
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
+        attention_mask=attention_mask,
+    )  # fmt: skip
     return get_backend(name).additive_attention(
-        queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=return_weights
+        queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, attention_mask=attention_mask,
+        causal=causal, return_weights=return_weights,
+    )  # fmt: skip
+
+
+def multi_head_attention(
+    queries: Any,
+    keys: Any,
+    values: Any,
+    valid_lens: Any = None,
+    *,
+    weights: Any,
+    num_heads: int,
+    attention_mask: Any = None,
+    causal: bool = False,
+    return_weights: bool = False,
+) -> Any:
+    """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
+    weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
+    optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
+    ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``."""
+    name = framework_of_call(
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
+    return get_backend(name).multi_head_attention(
+        queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
+        attention_mask=attention_mask, causal=causal, return_weights=return_weights,
+    )  # fmt: skip
 
 
 def _selected_module() -> ModuleType:
@@ -86,12 +131,13 @@ def _selected_module() -> ModuleType:
 
 def __getattr__(attr: str) -> Any:
     # The layer classes resolve at use, so MULTIATTN_BACKEND is read then, not at import.
-    if attr in ("AdditiveAttention", "DotProductAttention"):
+    if attr in ("AdditiveAttention", "DotProductAttention", "MultiHeadAttention"):
         module = _selected_module()
         if not hasattr(module, attr):
             raise AttributeError(
                 f"the {module.ops.name} backend has no layer classes (functions only: "
-                "multiattn.masked_softmax, dot_product_attention, additive_attention); "
+                "multiattn.masked_softmax, dot_product_attention, additive_attention, "
+                "multi_head_attention); "
                 f"choose a framework's backend with {ENV_VAR}"
             )
         return getattr(module, attr)

@@ -50,17 +50,55 @@ def check_valid_lens(ops: Ops, valid_lens: Tensor, batch: Any, queries: Any) -> 
     return shape
 
 
-def check_scores(ops: Ops, X: Tensor, valid_lens: Tensor) -> Shape:
-    """The arguments of masked_softmax; returns X's shape."""
+def check_scores(
+    ops: Ops, X: Tensor, valid_lens: Tensor, attention_mask: Tensor = None, causal: bool = False
+) -> tuple[Shape, Tensor]:
+    """The arguments of masked_softmax; returns (X's shape, the mask as booleans or None)."""
     check_float(ops, "X", X)
     shape = ops.shape(X)
     if valid_lens is not None:
-        if len(shape) != 3:
+        if len(shape) not in (3, 4):
             raise ValueError(
-                f"X must be 3-D (batch, queries, keys) when valid_lens is given, got shape {fmt(shape)}"
+                "X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when "
+                f"valid_lens is given, got shape {fmt(shape)}"
             )
-        check_valid_lens(ops, valid_lens, shape[0], shape[1])
-    return shape
+        check_valid_lens(ops, valid_lens, shape[0], shape[-2])
+    check_causal(causal)
+    if (causal or attention_mask is not None) and len(shape) < 2:
+        raise ValueError(
+            f"X must have a queries and a keys axis (..., queries, keys), got shape {fmt(shape)}"
+        )
+    return shape, check_attention_mask(ops, attention_mask, shape)
+
+
+def check_causal(causal: Any) -> None:
+    if causal is not True and causal is not False:
+        raise TypeError(f"causal must be True or False, got {causal!r}")
+
+
+def check_attention_mask(ops: Ops, mask: Tensor, scores_shape: Shape) -> Tensor:
+    """A boolean (or integer 0/1) mask, True: may attend, broadcastable to the scores
+    (B, [H,] Q, K) (a 3-D mask against 4-D scores is (B, Q, K)); as booleans, or None."""
+    if mask is None:
+        return None
+    kind = ops.dtype_kind(mask)
+    if kind not in "biu":
+        raise InputDtypeError(
+            "attention_mask must be boolean (True: may attend) or integer 0/1, got dtype "
+            f"{dtype_name(mask)}; a float mask is ambiguous (torch and mlx add float masks to the scores)"
+        )
+    shape = ops.shape(mask)
+    target = tuple(scores_shape)
+    if len(target) == 4 and len(shape) == 3:
+        target = target[:1] + target[2:]  # (B, Q, K), shared by the heads
+    if len(shape) > len(target) or not all(
+        m == 1 or same(m, t) for m, t in zip(reversed(shape), reversed(target))
+    ):
+        raise ValueError(
+            f"attention_mask of shape {fmt(shape)} does not broadcast to the scores' shape {fmt(target)} "
+            + ("(batch, heads, queries, keys)" if len(target) == 4 else "(batch, queries, keys)")
+        )
+    return mask if kind == "b" else mask != 0
 
 
 def check_attention_inputs(
@@ -72,6 +110,7 @@ def check_attention_inputs(
     *,
     query_size: Any = None,
     key_size: Any = None,
+    value_size: Any = None,
     same_width: bool = False,
 ) -> tuple[Shape, Shape, Shape]:
     """The three shapes; ValueError naming the argument, the expected and the actual shape."""
@@ -82,20 +121,18 @@ def check_attention_inputs(
         len(q_shape) == len(k_shape) == len(v_shape) == 3
         and q_shape[0] == k_shape[0] == v_shape[0] is not None
         and k_shape[1] == v_shape[1] is not None
-        and (q_shape[2] == k_shape[2] != 0 if same_width else query_size is key_size is None)
+        and (q_shape[2] == k_shape[2] != 0 if same_width else query_size is key_size is value_size is None)
         and ops.dtype_kind(queries) == ops.dtype_kind(keys) == ops.dtype_kind(values) == "f"
         and queries.dtype == keys.dtype == values.dtype
     ):
         if valid_lens is not None:
             check_valid_lens(ops, valid_lens, q_shape[0], q_shape[1])
         return q_shape, k_shape, v_shape
-    _full_check(ops, (queries, keys, values), valid_lens, query_size, key_size, same_width)
+    _full_check(ops, (queries, keys, values), valid_lens, (query_size, key_size, value_size), same_width)
     return q_shape, k_shape, v_shape
 
 
-def _full_check(
-    ops: Ops, tensors: tuple, valid_lens: Tensor, query_size: Any, key_size: Any, same_width: bool
-) -> None:
+def _full_check(ops: Ops, tensors: tuple, valid_lens: Tensor, sizes: tuple, same_width: bool) -> None:
     names = ("queries", "keys", "values")
     shapes = [ops.shape(t) for t in tensors]
     for arg, shape, rows in zip(names, shapes, ("queries", "keys", "keys")):
@@ -122,10 +159,8 @@ def _full_check(
         )
     if same_width and q_width == 0:
         raise ValueError("queries must have a non-zero width (the scores are divided by sqrt(width))")
-    for arg, label, size, width, shape in (
-        ("queries", "query_size", query_size, q_width, shapes[0]),
-        ("keys", "key_size", key_size, k_width, shapes[1]),
-    ):
+    for arg, label, size, shape in zip(names, ("query_size", "key_size", "value_size"), sizes, shapes):
+        width = shape[-1]
         if size is not None and not same(width, size):
             raise ValueError(f"{arg} must have width {label}={size}, got shape {fmt(shape)}")
     if valid_lens is not None:
@@ -169,6 +204,82 @@ def check_additive_weights(
             f"{fmt(shapes[0])}, {fmt(shapes[1])}, {fmt(shapes[2])}"
         )
     return query_size, key_size
+
+
+def check_num_heads(num_heads: Any, num_hiddens: Any) -> int:
+    if isinstance(num_heads, bool) or not hasattr(num_heads, "__index__") or num_heads <= 0:
+        raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+    num_heads = num_heads.__index__()
+    if num_hiddens is not None and num_hiddens % num_heads:
+        raise ValueError(
+            f"num_hiddens ({num_hiddens}) must be divisible by num_heads ({num_heads}): each head "
+            "takes num_hiddens / num_heads columns"
+        )
+    return num_heads
+
+
+MULTI_HEAD_WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
+MULTI_HEAD_BIASES = ("b_q", "b_k", "b_v", "b_o")
+
+
+def multi_head_weight_shapes(
+    num_hiddens: Any, query_size: Any, key_size: Any, value_size: Any, bias: bool
+) -> dict:
+    """The canonical multi-head weights' shapes, by name."""
+    shapes = {
+        "W_q": (num_hiddens, query_size),
+        "W_k": (num_hiddens, key_size),
+        "W_v": (num_hiddens, value_size),
+        "W_o": (num_hiddens, num_hiddens),
+    }
+    return {**shapes, **({name: (num_hiddens,) for name in MULTI_HEAD_BIASES} if bias else {})}
+
+
+def check_weight_names(weights: Any, bias: Any = None) -> bool:
+    """That weights is a dict of exactly the multi-head names (the biases all or none, or as
+    ``bias`` says); returns whether it has the biases."""
+    if not hasattr(weights, "keys") or not hasattr(weights, "__getitem__"):
+        raise TypeError(
+            f"weights must be a dict with keys {', '.join(MULTI_HEAD_WEIGHTS)} (and "
+            f"{', '.join(MULTI_HEAD_BIASES)} with biases), got {type(weights).__name__}"
+        )
+    has_bias = any(name in weights for name in MULTI_HEAD_BIASES) if bias is None else bias
+    names = MULTI_HEAD_WEIGHTS + (MULTI_HEAD_BIASES if has_bias else ())
+    unknown = sorted(set(weights) - set(names))
+    missing = [name for name in names if name not in weights]
+    if unknown or missing:
+        raise ValueError(
+            f"weights must have exactly the keys {', '.join(names)}; missing {missing or 'none'}, "
+            f"unknown {unknown or 'none'}"
+        )
+    return has_bias
+
+
+def check_multi_head_weights(
+    ops: Ops, weights: Any, num_heads: Any, queries: Tensor, keys: Tensor, values: Tensor
+) -> None:
+    """Canonical multi-head weights for these inputs, in the queries' dtype; ValueError naming
+    the key, the expected and the actual shape."""
+    has_bias = check_weight_names(weights)
+    W_q = weights["W_q"]
+    if len(ops.shape(W_q)) != 2:
+        raise ValueError(
+            f"weights['W_q'] must have shape (num_hiddens, query_size), got {fmt(ops.shape(W_q))}"
+        )
+    num_hiddens = ops.shape(W_q)[0]
+    check_num_heads(num_heads, num_hiddens)
+    widths = (ops.shape(x)[-1] for x in (queries, keys, values))
+    for name, expected in multi_head_weight_shapes(num_hiddens, *widths, has_bias).items():
+        tensor = weights[name]
+        shape = ops.shape(tensor)
+        if len(shape) != len(expected) or not all(same(a, b) for a, b in zip(shape, expected)):
+            raise ValueError(f"weights[{name!r}] must have shape {fmt(expected)}, got {fmt(shape)}")
+        check_float(ops, f"weights[{name!r}]", tensor)
+        if not tensor.dtype == queries.dtype:
+            raise InputDtypeError(
+                f"weights[{name!r}] must have the dtype of queries ({dtype_name(queries)}), "
+                f"got {dtype_name(tensor)}"
+            )
 
 
 def is_empty(shape: Shape) -> bool:

@@ -30,6 +30,7 @@ BACKEND_EXPORTS = (
     "masked_softmax",  # the functional API, bound by multiattn.functional.bind(ops)
     "dot_product_attention",
     "additive_attention",
+    "multi_head_attention",
     "from_numpy",  # (array, dtype name or None) -> a new tensor
     "to_numpy",  # tensor -> a numpy copy (bfloat16 as float32)
     "vjp",  # (fn, args, cotangent) -> (fn(*args), gradients), or None without autodiff
@@ -38,7 +39,7 @@ BACKEND_EXPORTS = (
 )
 # The framework-native classes, in ``multiattn.layers.<name>`` (optional: array_api has none);
 # a backend module re-exports them lazily with ``layer_exports``.
-LAYER_EXPORTS = ("AdditiveAttention", "DotProductAttention")
+LAYER_EXPORTS = ("AdditiveAttention", "DotProductAttention", "MultiHeadAttention")
 
 
 class Ops:
@@ -99,8 +100,25 @@ class Ops:
         """
         raise NotImplementedError
 
+    def causal_mask(self, n_queries: Any, n_keys: Any, like: Tensor) -> Tensor:
+        """Boolean (Q, K), true where key j <= query i (top-left aligned), on like's device;
+        like: the scores (..., Q, K), whose last two axes give sizes that are None."""
+        raise NotImplementedError
+
+    def logical_and(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``a and b`` of two boolean tensors, broadcast."""
+        raise NotImplementedError
+
+    def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
+        """(B, n, H * d) -> (B, H, n, d): head i takes the columns i*d .. (i+1)*d - 1."""
+        raise NotImplementedError
+
+    def merge_heads(self, x: Tensor) -> Tensor:
+        """(B, H, n, d) -> (B, n, H * d), the inverse of ``split_heads``."""
+        raise NotImplementedError
+
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
-        """``x`` where mask is true, the scalar ``fill`` elsewhere; never in place."""
+        """``x`` where mask is true, the scalar ``fill`` elsewhere (mask broadcast); never in place."""
         raise NotImplementedError
 
     def lowest(self, x: Tensor) -> float:
@@ -199,7 +217,7 @@ class Ops:
         return x * 1
 
     def fill_padding(self, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
-        """x (B, Q, K), the core's own, with ``x[b, :, lengths[b]:] = fill`` written in place, one
+        """x (B, [H,] Q, K), the core's own, with ``x[b, ..., lengths[b]:] = fill`` written in place, one
         slice per sequence (no pass over the visible scores); lengths from ``host_lengths``,
         clipped.  uniform: x holds softmax weights with one value per row in the padding,
         so a sequence whose padding already equals fill (0: exp underflowed) is skipped.
@@ -207,23 +225,23 @@ class Ops:
         n_keys = self.shape(x)[-1]
         if uniform:
             # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
-            done = (x[:, :, -1] <= fill).all(1).tolist()
+            done = (x[..., -1] <= fill).reshape(len(lengths), -1).all(1).tolist()
             lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
         for row, n in enumerate(lengths):
             if n < n_keys:
-                x[row, :, n:] = fill
+                x[row, ..., n:] = fill
         return x
 
     def zero_padded_rows(self, values: Tensor, lengths: list) -> Tensor:
-        """values (B, K, v) with the rows ``>= lengths[b]`` zeroed, in a copy (slice
+        """values (B, [H,] K, v) with the rows ``>= lengths[b]`` zeroed, in a copy (slice
         assignment, as ``fill_padding``); values itself where no row is padding."""
-        n_keys = self.shape(values)[1]
+        n_keys = self.shape(values)[-2]
         if all(n >= n_keys for n in lengths):
             return values
         values = self.copy(values)
         for row, n in enumerate(lengths):
             if n < n_keys:
-                values[row, n:] = 0.0
+                values[row, ..., n:, :] = 0.0
         return values
 
     def all_finite(self, x: Tensor) -> bool:
@@ -233,7 +251,8 @@ class Ops:
 
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
-    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "where", "lowest", "cast",
+    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
+    "split_heads", "merge_heads", "where", "lowest", "cast",
 )  # fmt: skip
 
 

@@ -1,9 +1,12 @@
 """A float64 numpy reference with analytic gradients, for ``multiattn check``.
 
-Written from the formulas of d2l 11.3 and their derivatives, independently of
-``multiattn.core`` (it shares no code with the backends it judges).  Every
+Written from the formulas of d2l 11.3 and 11.5 and their derivatives, independently
+of ``multiattn.core`` (it shares no code with the backends it judges).  Every
 function returns a dict: ``out``, ``weights`` and, given a cotangent G,
 ``grads`` of sum(out * G) with respect to each input.
+
+Masks: key j is visible to query i iff j < valid_len, the attention_mask entry is
+nonzero and (when causal) j <= i; rows with nothing visible have weights exactly 0.
 """
 
 from __future__ import annotations
@@ -15,19 +18,63 @@ import numpy as np
 
 Array = np.ndarray
 
+_MHA_WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
+_MHA_BIASES = ("b_q", "b_k", "b_v", "b_o")
+
 
 def length_mask(shape: tuple, valid_lens: Optional[Array]) -> Array:
-    """True where position j of a (B, Q, K) score tensor is below its valid length."""
+    """True where key j of a (B, Q, K) or (B, H, Q, K) score tensor is below its valid length.
+
+    valid_lens is (B,) or (B, Q): lengths index the batch and the queries, shared by heads.
+    """
     if valid_lens is None:
         return np.ones(shape, dtype=bool)
     lens = np.asarray(valid_lens, dtype=np.float64)
-    lens = lens[:, None, None] if lens.ndim == 1 else lens[:, :, None]
-    return np.arange(shape[-1]) < lens
+    middle = (1,) * (len(shape) - 3)  # the head axis of a 4-D shape
+    if lens.ndim == 1:
+        lens = lens.reshape((lens.shape[0],) + middle + (1, 1))
+    elif lens.ndim == 2:
+        lens = lens.reshape((lens.shape[0],) + middle + (lens.shape[1], 1))
+    else:
+        raise ValueError(f"valid_lens must be (B,) or (B, Q), got shape {lens.shape}")
+    # NaN compares False: a NaN length shows nothing
+    return np.broadcast_to(np.arange(shape[-1]) < lens, shape)
 
 
-def masked_softmax(X: Array, valid_lens: Optional[Array] = None) -> Array:
+def visibility(
+    shape: tuple,
+    valid_lens: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
+) -> Array:
+    """Bool array of ``shape`` ((B, Q, K) or (B, H, Q, K)): True where key j is visible to query i."""
+    shape = tuple(shape)
+    visible = length_mask(shape, valid_lens).copy()
+    if attention_mask is not None:
+        allowed = np.asarray(attention_mask) != 0
+        if allowed.ndim == 3 and len(shape) == 4:
+            allowed = allowed[:, None]  # a (B, Q, K) mask is shared by the heads
+        visible &= np.broadcast_to(allowed, shape)
+    if causal:
+        visible &= np.arange(shape[-1])[None, :] <= np.arange(shape[-2])[:, None]
+    return visible
+
+
+def _has_masks(valid_lens, attention_mask, causal) -> bool:
+    return valid_lens is not None or attention_mask is not None or bool(causal)
+
+
+def masked_softmax(
+    X: Array,
+    valid_lens: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
+) -> Array:
     X = np.asarray(X, dtype=np.float64)
-    mask = length_mask(X.shape, valid_lens) if valid_lens is not None else np.ones(X.shape, bool)
+    if _has_masks(valid_lens, attention_mask, causal):
+        mask = visibility(X.shape, valid_lens, attention_mask, causal)
+    else:
+        mask = np.ones(X.shape, bool)
     peak = np.max(np.where(mask, X, -np.inf), axis=-1, keepdims=True, initial=-np.inf)
     peak = np.where(np.isfinite(peak), peak, 0.0)
     e = np.where(mask, np.exp(np.where(mask, X, 0.0) - peak), 0.0)
@@ -40,9 +87,13 @@ def _softmax_backward(weights: Array, d_weights: Array) -> Array:
 
 
 def masked_softmax_case(
-    X: Array, valid_lens: Optional[Array] = None, cotangent: Optional[Array] = None
+    X: Array,
+    valid_lens: Optional[Array] = None,
+    cotangent: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
 ) -> dict:
-    weights = masked_softmax(X, valid_lens)
+    weights = masked_softmax(X, valid_lens, attention_mask, causal)
     result: dict = {"out": weights, "weights": weights}
     if cotangent is not None:
         result["grads"] = {"X": _softmax_backward(weights, np.asarray(cotangent, np.float64))}
@@ -55,10 +106,13 @@ def dot_product_attention(
     values: Array,
     valid_lens: Optional[Array] = None,
     cotangent: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
 ) -> dict:
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    weights = masked_softmax(np.einsum("bqd,bkd->bqk", q, k) * scale, valid_lens)
+    scores = np.einsum("bqd,bkd->bqk", q, k) * scale
+    weights = masked_softmax(scores, valid_lens, attention_mask, causal)
     result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
@@ -80,11 +134,13 @@ def additive_attention(
     W_k: Array,
     w_v: Array,
     cotangent: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
 ) -> dict:
     q, k, v, W_q, W_k, w_v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values, W_q, W_k, w_v))
     hidden_q, hidden_k = q @ W_q.T, k @ W_k.T  # (B, Q, h), (B, K, h)
     features = np.tanh(hidden_q[:, :, None, :] + hidden_k[:, None, :, :])  # (B, Q, K, h)
-    weights = masked_softmax(features @ w_v, valid_lens)
+    weights = masked_softmax(features @ w_v, valid_lens, attention_mask, causal)
     result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
@@ -99,4 +155,79 @@ def additive_attention(
             "W_k": np.einsum("bkh,bki->hi", d_hidden_k, k),
             "w_v": np.einsum("bqk,bqkh->h", d_scores, features),
         }
+    return result
+
+
+def _split_heads(X: Array, num_heads: int) -> Array:
+    """(B, n, h) -> (B, H, n, h/H): head i takes columns i*d .. (i+1)*d-1."""
+    B, n, h = X.shape
+    return X.reshape(B, n, num_heads, h // num_heads).transpose(0, 2, 1, 3)
+
+
+def _merge_heads(X: Array) -> Array:
+    """(B, H, n, d) -> (B, n, H*d), the inverse of _split_heads."""
+    B, H, n, d = X.shape
+    return X.transpose(0, 2, 1, 3).reshape(B, n, H * d)
+
+
+def multi_head_attention(
+    queries: Array,
+    keys: Array,
+    values: Array,
+    valid_lens: Optional[Array],
+    weights: dict,
+    num_heads: int,
+    cotangent: Optional[Array] = None,
+    attention_mask: Optional[Array] = None,
+    causal: bool = False,
+) -> dict:
+    """d2l 11.5: project to h, split into heads, scaled dot-product per head, concat, W_o.
+
+    weights: W_q (h, q), W_k (h, k), W_v (h, v), W_o (h, h), optionally all of b_q, b_k, b_v, b_o (h,).
+    """
+    missing = [name for name in _MHA_WEIGHTS if name not in weights]
+    biases = [name for name in _MHA_BIASES if name in weights]
+    if missing:
+        raise ValueError(f"multi_head_attention needs weights {missing}")
+    if biases and len(biases) != len(_MHA_BIASES):
+        raise ValueError(f"multi_head_attention takes all of {_MHA_BIASES} or none, got {biases}")
+    p = {name: np.asarray(weights[name], dtype=np.float64) for name in _MHA_WEIGHTS + tuple(biases)}
+    q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
+    h = p["W_q"].shape[0]
+    if h % num_heads:
+        raise ValueError(f"num_hiddens {h} is not divisible by num_heads {num_heads}")
+    scale = 1.0 / math.sqrt(h // num_heads)
+    zero = np.zeros(h)
+    q_p = q @ p["W_q"].T + p.get("b_q", zero)
+    k_p = k @ p["W_k"].T + p.get("b_k", zero)
+    v_p = v @ p["W_v"].T + p.get("b_v", zero)
+    q_h, k_h, v_h = (_split_heads(a, num_heads) for a in (q_p, k_p, v_p))  # (B, H, n, d)
+    scores = q_h @ np.swapaxes(k_h, -1, -2) * scale  # (B, H, Q, K)
+    attn = masked_softmax(scores, valid_lens, attention_mask, causal)
+    concat = _merge_heads(attn @ v_h)  # (B, Q, h)
+    result: dict = {"out": concat @ p["W_o"].T + p.get("b_o", zero), "weights": attn}
+    if cotangent is not None:
+        g = np.asarray(cotangent, dtype=np.float64)
+        d_heads = _split_heads(g @ p["W_o"], num_heads)  # d concat, per head
+        d_scores = _softmax_backward(attn, d_heads @ np.swapaxes(v_h, -1, -2))
+        d_q_p = _merge_heads(d_scores @ k_h * scale)
+        d_k_p = _merge_heads(np.swapaxes(d_scores, -1, -2) @ q_h * scale)
+        d_v_p = _merge_heads(np.swapaxes(attn, -1, -2) @ d_heads)
+        grads = {
+            "queries": d_q_p @ p["W_q"],
+            "keys": d_k_p @ p["W_k"],
+            "values": d_v_p @ p["W_v"],
+            "W_q": np.einsum("bni,bnj->ij", d_q_p, q),
+            "W_k": np.einsum("bni,bnj->ij", d_k_p, k),
+            "W_v": np.einsum("bni,bnj->ij", d_v_p, v),
+            "W_o": np.einsum("bni,bnj->ij", g, concat),
+        }
+        if biases:
+            grads.update(
+                b_q=d_q_p.sum(axis=(0, 1)),
+                b_k=d_k_p.sum(axis=(0, 1)),
+                b_v=d_v_p.sum(axis=(0, 1)),
+                b_o=g.sum(axis=(0, 1)),
+            )
+        result["grads"] = grads
     return result

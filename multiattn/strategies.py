@@ -18,24 +18,46 @@ optional steps of ``protocol.Ops``:
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from . import checks, core
 from .core import Dropout
 from .protocol import Ops, Tensor, clip_lengths
 
 
-def masked_softmax(ops: Ops, X: Tensor, valid_lens: Tensor = None) -> Tensor:
+class Masks(NamedTuple):
+    """What hides a key from a query: lengths (B,) or (B, Q), a boolean mask, causality."""
+
+    valid_lens: Tensor = None
+    attention_mask: Tensor = None
+    causal: bool = False
+
+    @property
+    def none(self) -> bool:
+        return self.valid_lens is None and self.attention_mask is None and not self.causal
+
+    @property
+    def only_lengths(self) -> bool:
+        return self.valid_lens is not None and self.attention_mask is None and not self.causal
+
+
+NO_MASKS = Masks()
+
+
+def masked_softmax(
+    ops: Ops, X: Tensor, valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False
+) -> Tensor:
     """``core.masked_softmax`` for the caller's X, which is never written."""
-    shape = checks.check_scores(ops, X, valid_lens)
+    shape, attention_mask = checks.check_scores(ops, X, valid_lens, attention_mask, causal)
     if checks.is_empty(shape):
         return ops.zeros(shape, X)
-    if valid_lens is not None:
+    if Masks(valid_lens, attention_mask, causal).only_lengths:
         lengths = _host_lengths(ops, X, valid_lens, shape[-1])
         if lengths is not None:
             return softmax_writing_padding(ops, ops.copy(X), lengths)
-    return core.masked_softmax(ops, X, valid_lens)
+    return core.masked_softmax(ops, X, valid_lens, attention_mask, causal)
 
 
 def dot_product_attention(
@@ -46,24 +68,19 @@ def dot_product_attention(
     valid_lens: Tensor = None,
     dropout: Dropout = None,
     need_weights: bool = True,
+    attention_mask: Tensor = None,
+    causal: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``core.dot_product_attention``; need_weights=False allows the fused kernel and
     returns None for the weights."""
     q_shape, k_shape, _ = checks.check_attention_inputs(
         ops, queries, keys, values, valid_lens, same_width=True
     )
+    masks = _checked_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
     if checks.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
     scale = 1.0 / math.sqrt(checks.check_known_width(q_shape))
-    if (
-        not need_weights
-        and dropout is None
-        and _fuses(ops, queries, keys, values, q_shape[0:2] + k_shape[1:2])
-    ):
-        return fused_attention(ops, queries, keys, values, valid_lens, scale), None
-    scores = ops.scaled_matmul_t(queries, keys, scale)
-    out, weights = attend(ops, scores, values, valid_lens, dropout, need_weights)
-    return out, (weights if need_weights else None)
+    return scaled_dot_product(ops, queries, keys, values, masks, scale, dropout, need_weights)
 
 
 def additive_attention(
@@ -79,16 +96,19 @@ def additive_attention(
     query_size: Any = None,
     key_size: Any = None,
     dropout: Dropout = None,
+    attention_mask: Tensor = None,
+    causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``core.additive_attention`` with the projections W_q q, W_k k given as functions
     (a layer's own linear maps); query_size/key_size: the widths they take."""
     q_shape, k_shape, _ = checks.check_attention_inputs(
         ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
     )
+    masks = _checked_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
     if checks.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
     scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
-    return attend(ops, scores, values, valid_lens, dropout)
+    return attend(ops, scores, values, masks, dropout)
 
 
 def additive_attention_from_weights(
@@ -102,6 +122,8 @@ def additive_attention_from_weights(
     W_k: Tensor,
     w_v: Tensor,
     dropout: Dropout = None,
+    attention_mask: Tensor = None,
+    causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
     query_size, key_size = checks.check_additive_weights(ops, W_q, W_k, w_v, queries)
@@ -109,35 +131,124 @@ def additive_attention_from_weights(
         ops, queries, keys, values, valid_lens,
         project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
         w_v=w_v, query_size=query_size, key_size=key_size, dropout=dropout,
+        attention_mask=attention_mask, causal=causal,
+    )  # fmt: skip
+
+
+def multi_head_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    project: Mapping[str, Callable[[Tensor], Tensor]],
+    num_heads: int,
+    num_hiddens: int,
+    sizes: tuple = (None, None, None),
+    dropout: Dropout = None,
+    need_weights: bool = True,
+    attention_mask: Tensor = None,
+    causal: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``core.multi_head_attention`` with the four projections given as functions by name
+    ("q", "k", "v", "o": a layer's own linear maps, or the canonical weights'); sizes: the
+    widths of queries, keys and values they take (None: not checked here)."""
+    q_shape, k_shape, _ = checks.check_attention_inputs(
+        ops, queries, keys, values, valid_lens, query_size=sizes[0], key_size=sizes[1], value_size=sizes[2]
+    )
+    checks.check_num_heads(num_heads, num_hiddens)
+    batch, n_queries, n_keys = q_shape[0], q_shape[1], k_shape[1]
+    masks = _checked_masks(ops, valid_lens, attention_mask, causal, (batch, num_heads, n_queries, n_keys))
+    if checks.is_empty((batch, n_queries)):
+        return ops.zeros((batch, n_queries, num_hiddens), queries), ops.zeros(
+            (batch, num_heads, n_queries, n_keys), queries
+        )
+    if n_keys == 0:  # every row fully masked: the heads give 0
+        heads = ops.zeros((batch, n_queries, num_hiddens), queries)
+        return project["o"](heads), ops.zeros((batch, num_heads, n_queries, 0), queries)
+    q, k, v = (ops.split_heads(project[n](x), num_heads) for n, x in zip("qkv", (queries, keys, values)))
+    scale = 1.0 / math.sqrt(num_hiddens // num_heads)
+    out, weights = scaled_dot_product(ops, q, k, v, masks, scale, dropout, need_weights)
+    return project["o"](ops.merge_heads(out)), weights
+
+
+def multi_head_attention_from_weights(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor = None,
+    *,
+    weights: Mapping[str, Tensor],
+    num_heads: int,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+    attention_mask: Tensor = None,
+    causal: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Multi-head attention with the canonical weights W_q (h, q), W_k (h, k), W_v (h, v),
+    W_o (h, h) and, with biases, b_q, b_k, b_v, b_o (h,)."""
+    checks.check_attention_inputs(ops, queries, keys, values, valid_lens)
+    checks.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
+    project = {
+        n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n)) for n in "qkvo"
+    }
+    return multi_head_attention(
+        ops, queries, keys, values, valid_lens, project=project, num_heads=num_heads,
+        num_hiddens=ops.shape(weights["W_q"])[0], dropout=dropout, need_weights=need_weights,
+        attention_mask=attention_mask, causal=causal,
     )  # fmt: skip
 
 
 # -- the strategies -----------------------------------------------------------------------
 
 
+def scaled_dot_product(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+    scale: float,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Checked inputs (B, [H,] n, d): the fused kernel where it may run, else scores, the
+    masked softmax and the pooling (``attend``)."""
+    scores_shape = ops.shape(queries)[:-1] + ops.shape(keys)[-2:-1]
+    if not need_weights and dropout is None and _fuses(ops, queries, keys, values, scores_shape):
+        return fused_attention(ops, queries, keys, values, masks, scale), None
+    scores = ops.scaled_matmul_t(queries, keys, scale)
+    out, weights = attend(ops, scores, values, masks, dropout, need_weights)
+    return out, (weights if need_weights else None)
+
+
 def attend(
     ops: Ops,
     scores: Tensor,
     values: Tensor,
-    valid_lens: Tensor = None,
+    masks: Masks = NO_MASKS,
     dropout: Dropout = None,
     need_weights: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """``core.attend`` for scores the core made itself (so they may be written).
     need_weights=False: the weights may be inexact in rows where nothing is visible."""
-    if valid_lens is None:
+    lengths = None
+    if masks.only_lengths:
+        lengths = _host_lengths(ops, scores, masks.valid_lens, ops.shape(scores)[-1])
+    if masks.none:
         weights = ops.softmax_owned(scores)
+    elif lengths is not None:
+        weights = softmax_writing_padding(ops, scores, lengths)
+        values = _visible_values(ops, values, None, lengths)
     else:
-        lengths = _host_lengths(ops, scores, valid_lens, ops.shape(scores)[-1])
-        if lengths is not None:
-            weights = softmax_writing_padding(ops, scores, lengths)
-            values = _visible_values(ops, values, None, lengths)
-        else:
-            # Without the weights, per-sequence lengths need no exact zeros: the padded value
-            # rows are zeroed, so a row with nothing visible weighs only those, and gives 0.
-            exact = need_weights or len(ops.shape(valid_lens)) != 1
-            weights, mask = masked_softmax_in_place(ops, scores, valid_lens, exact)
-            values = _visible_values(ops, values, mask, None)
+        # Without the weights, per-sequence lengths need no exact zeros: the padded value
+        # rows are zeroed, so a row with nothing visible weighs only those, and gives 0.
+        exact = need_weights or not masks.only_lengths or len(ops.shape(masks.valid_lens)) != 1
+        mask = core.visibility(ops, scores, *masks)
+        weights = masked_softmax_in_place(ops, scores, mask, exact)
+        values = core.visible_values(ops, values, mask)
     return core.attention_pooling(ops, weights, values, dropout), weights
 
 
@@ -150,29 +261,36 @@ def softmax_writing_padding(ops: Ops, x: Tensor, lengths: list) -> Tensor:
     return ops.fill_padding(weights, lengths, 0.0, uniform=True)
 
 
-def masked_softmax_in_place(
-    ops: Ops, x: Tensor, valid_lens: Tensor, exact: bool = True
-) -> tuple[Tensor, Tensor]:
-    """(``core.masked_softmax`` of x, the core's own, each step allowed to reuse its memory;
-    the mask).  exact=False skips the final zeroing (see ``attend``)."""
-    mask = ops.length_mask(x, valid_lens)
+def masked_softmax_in_place(ops: Ops, x: Tensor, mask: Tensor, exact: bool = True) -> Tensor:
+    """``core.softmax_where`` of x, the core's own, each step allowed to reuse its memory.
+    exact=False skips the final zeroing (see ``attend``)."""
     weights = ops.softmax_owned(ops.where_owned(mask, x, ops.lowest(x)))
-    return (ops.where_owned(mask, weights, 0.0) if exact else weights), mask
+    return ops.where_owned(mask, weights, 0.0) if exact else weights
 
 
 def fused_attention(
-    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor, scale: float
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float
 ) -> Tensor:
     """The output of ``core.dot_product_attention`` from the framework's fused kernel, with
     the same guarantees: nothing from the padding reaches an output (kernels add the mask to
     NaN scores), and fully masked rows are 0 (kernels spread them uniformly)."""
-    if valid_lens is None:
+    if masks.none:
         return ops.fused_attention(queries, keys, values, None, scale)
-    mask = ops.length_mask(keys, valid_lens, axis=1)  # (B, 1|Q, K)
-    lengths = _host_lengths(ops, keys, valid_lens, ops.shape(keys)[1])
+    q_shape, k_shape = ops.shape(queries), ops.shape(keys)
+    parts = []  # core.visibility's masks, built from the keys: there are no scores
+    if masks.valid_lens is not None:
+        parts.append(ops.length_mask(keys, masks.valid_lens, axis=-2))
+    if masks.attention_mask is not None:
+        parts.append(masks.attention_mask)
+    if masks.causal:
+        parts.append(ops.causal_mask(q_shape[-2], k_shape[-2], queries))
+    mask = core.all_of(ops, parts, len(q_shape))
+    lengths = _host_lengths(ops, keys, masks.valid_lens, k_shape[-2]) if masks.only_lengths else None
     keys = _visible_values(ops, keys, mask, lengths)
     values = _visible_values(ops, values, mask, lengths)
-    return ops.where(mask[:, :, :1], ops.fused_attention(queries, keys, values, mask, scale), 0.0)
+    # a prefix of lengths shows the first key if any: one column tells which rows see nothing
+    seen = mask[..., :1] if masks.only_lengths else ops.any(mask, -1)
+    return ops.where(seen, ops.fused_attention(queries, keys, values, mask, scale), 0.0)
 
 
 def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -> Tensor:
@@ -220,6 +338,13 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
 
 
 # -- helpers ------------------------------------------------------------------------------
+
+
+def _checked_masks(
+    ops: Ops, valid_lens: Tensor, attention_mask: Tensor, causal: Any, scores_shape: tuple
+) -> Masks:
+    checks.check_causal(causal)
+    return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
 
 
 def _fuses(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, scores_shape: tuple) -> bool:

@@ -1,4 +1,4 @@
-"""Independent float64 reference, written from the formulas of d2l 11.3 with loops.
+"""Independent float64 reference, written from the formulas of d2l 11.3 and 11.5 with loops.
 
 It never imports multiattn: comparing the library with itself would prove nothing.
 """
@@ -23,22 +23,60 @@ def softmax_row(row: np.ndarray) -> np.ndarray:
     return e / e.sum()
 
 
-def masked_softmax(X, valid_lens=None) -> np.ndarray:
+def _mask_entry(mask: np.ndarray, index: tuple, shape: tuple) -> bool:
+    """mask[index] under numpy broadcasting to ``shape``: right-aligned, a size-1 axis repeats."""
+    if mask.ndim > len(shape):
+        raise ValueError(f"a mask of rank {mask.ndim} cannot index scores of rank {len(shape)}")
+    offset = len(shape) - mask.ndim
+    position = []
+    for axis, size in enumerate(mask.shape):
+        if size not in (1, shape[offset + axis]):
+            raise ValueError(f"mask of shape {mask.shape} does not broadcast to {shape}")
+        position.append(0 if size == 1 else index[offset + axis])
+    return bool(mask[tuple(position)] != 0)
+
+
+def visible(shape, valid_lens=None, attention_mask=None, causal=False) -> np.ndarray:
+    """visible[b, (h,) i, j]: key j may be seen by query i (all of length, mask, causal)."""
+    shape = tuple(shape)
+    lens = None if valid_lens is None else np.asarray(valid_lens, dtype=np.float64)
+    mask = None if attention_mask is None else np.asarray(attention_mask)
+    out = np.zeros(shape, dtype=bool)
+    for index in np.ndindex(shape):
+        b, i, j = index[0], index[-2], index[-1]
+        ok = True
+        if lens is not None:
+            length = lens[b] if lens.ndim == 1 else lens[b, i]
+            ok = ok and j < length  # NaN: False
+        if mask is not None:
+            # a (B, Q, K) mask against (B, H, Q, K) scores is shared by the heads
+            if mask.ndim == 3 and len(shape) == 4:
+                allowed = _mask_entry(mask, (b, i, j), (shape[0], shape[2], shape[3]))
+            else:
+                allowed = _mask_entry(mask, index, shape)
+            ok = ok and allowed
+        if causal:
+            ok = ok and j <= i
+        out[index] = ok
+    return out
+
+
+def masked_softmax(X, valid_lens=None, attention_mask=None, causal=False) -> np.ndarray:
     X = np.asarray(X, dtype=np.float64)
-    if valid_lens is None:
-        out = np.zeros_like(X)
+    out = np.zeros_like(X)
+    if valid_lens is None and attention_mask is None and not causal:
         for row in np.ndindex(X.shape[:-1]):
             out[row] = softmax_row(X[row])
         return out
-    lens = np.asarray(valid_lens, dtype=np.float64)
-    B, Q, K = X.shape
-    out = np.zeros_like(X)
-    for b in range(B):
-        for i in range(Q):
-            length = lens[b] if lens.ndim == 1 else lens[b, i]
-            n = valid_count(length, K)
-            if n:
-                out[b, i, :n] = softmax_row(X[b, i, :n])
+    if X.ndim not in (3, 4):
+        raise ValueError(f"masked scores are (B, Q, K) or (B, H, Q, K), got shape {X.shape}")
+    seen = visible(X.shape, valid_lens, attention_mask, causal)
+    for row in np.ndindex(X.shape[:-1]):
+        columns = [j for j in range(X.shape[-1]) if seen[row + (j,)]]
+        if columns:  # a row with nothing visible stays 0
+            weights = softmax_row(X[row][columns])
+            for j, w in zip(columns, weights):
+                out[row + (j,)] = w
     return out
 
 
@@ -81,12 +119,56 @@ def additive_scores(queries, keys, W_q, W_k, w_v) -> np.ndarray:
     return scores
 
 
-def dot_product_attention(queries, keys, values, valid_lens=None):
+def dot_product_attention(queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
     """(output, weights) of softmax(Q K^T / sqrt(d)) V."""
-    weights = masked_softmax(dot_product_scores(queries, keys), valid_lens)
+    weights = masked_softmax(dot_product_scores(queries, keys), valid_lens, attention_mask, causal)
     return pool(weights, values), weights
 
 
-def additive_attention(queries, keys, values, valid_lens, W_q, W_k, w_v):
-    weights = masked_softmax(additive_scores(queries, keys, W_q, W_k, w_v), valid_lens)
+def additive_attention(queries, keys, values, valid_lens, W_q, W_k, w_v, attention_mask=None, causal=False):
+    scores = additive_scores(queries, keys, W_q, W_k, w_v)
+    weights = masked_softmax(scores, valid_lens, attention_mask, causal)
     return pool(weights, values), weights
+
+
+def project(X, W, b=None) -> np.ndarray:
+    """X[b, n] -> W X[b, n] + b for every batch element and position."""
+    X = np.asarray(X, dtype=np.float64)
+    W = np.asarray(W, dtype=np.float64)
+    B, n, _ = X.shape
+    out = np.zeros((B, n, W.shape[0]))
+    for batch in range(B):
+        for t in range(n):
+            out[batch, t] = W @ X[batch, t]
+            if b is not None:
+                out[batch, t] += np.asarray(b, dtype=np.float64)
+    return out
+
+
+def multi_head_attention(
+    queries, keys, values, valid_lens, weights, num_heads, attention_mask=None, causal=False
+):
+    """(output (B, Q, h), weights (B, H, Q, K)) of d2l 11.5: head i uses columns i*d .. (i+1)*d-1."""
+    q_p = project(queries, weights["W_q"], weights.get("b_q"))
+    k_p = project(keys, weights["W_k"], weights.get("b_k"))
+    v_p = project(values, weights["W_v"], weights.get("b_v"))
+    B, Q, h = q_p.shape
+    K = k_p.shape[1]
+    d = h // num_heads
+    assert d * num_heads == h, "num_hiddens must be divisible by num_heads"
+    scores = np.zeros((B, num_heads, Q, K))
+    for b in range(B):
+        for head in range(num_heads):
+            columns = range(head * d, (head + 1) * d)
+            for i in range(Q):
+                for j in range(K):
+                    scores[b, head, i, j] = sum(q_p[b, i, c] * k_p[b, j, c] for c in columns) / math.sqrt(d)
+    attn = masked_softmax(scores, valid_lens, attention_mask, causal)
+    concat = np.zeros((B, Q, h))
+    for b in range(B):
+        for head in range(num_heads):
+            for i in range(Q):
+                for j in range(K):
+                    for c in range(head * d, (head + 1) * d):
+                        concat[b, i, c] += attn[b, head, i, j] * v_p[b, j, c]
+    return project(concat, weights["W_o"], weights.get("b_o")), attn

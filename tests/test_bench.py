@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from .conftest import backends_under_test
 
@@ -56,3 +60,114 @@ def test_memory_in_several_fresh_processes_under_the_default_malloc(tmp_path):
     row = next(line for line in text.splitlines() if line.startswith("| numpy") and "| additive |" in line)
     textbook, multiattn, ratio = (cell.strip() for cell in row.strip("|").split("|")[-3:])
     assert float(textbook.split()[0]) > float(multiattn.split()[0]) > 0 and ratio.endswith("x")
+
+
+def _load(name: str):
+    """benchmarks/<name>.py as a fresh module, leaving sys.path as it was (run.py extends it)."""
+    path = list(sys.path)
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", RUN.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def _mha_inputs(seed: int = 0, query_width: int = 5):
+    """Small multi-head inputs (float64): key and value widths different, every length >= 1."""
+    rng = np.random.default_rng(seed)
+    B, Q, K, h, H = 3, 4, 6, 8, 2
+    q, k, v = (rng.normal(size=(B, n, w)) for n, w in ((Q, query_width), (K, 7), (K, 3)))
+    weights = [rng.normal(size=(h, w)) * 0.5 for w in (query_width, 7, 3, h)]
+    lens = np.array([1, K, 3])
+    return q, k, v, lens, weights, H
+
+
+def _per_head_loop(q, k, v, lens, weights, H):
+    """d2l 11.5 head by head: head i attends with columns i*d:(i+1)*d of the projections."""
+    W_q, W_k, W_v, W_o = weights
+    d = W_q.shape[0] // H
+    heads = np.zeros((q.shape[0], q.shape[1], W_q.shape[0]))
+    for b in range(q.shape[0]):
+        for i in range(H):
+            cols = slice(i * d, (i + 1) * d)
+            qi, ki, vi = (x[b] @ W[cols].T for x, W in ((q, W_q), (k, W_k), (v, W_v)))
+            scores = qi @ ki.T / np.sqrt(d)
+            scores[:, lens[b] :] = -np.inf
+            w = np.exp(scores - scores.max(-1, keepdims=True))
+            heads[b][:, cols] = (w / w.sum(-1, keepdims=True)) @ vi
+    return heads @ W_o.T
+
+
+def test_numpy_textbook_multi_head_attention_is_d2l_head_by_head():
+    q, k, v, lens, weights, H = _mha_inputs()
+    impls = _load("textbook").implementations("numpy")
+    out = impls["textbook_mha"](q, k, v, lens, *weights, num_heads=H)
+    np.testing.assert_allclose(out, _per_head_loop(q, k, v, lens, weights, H), rtol=1e-6, atol=1e-9)
+    # the floor: the same heads, no lengths at all
+    floor = impls["floor_mha"](q, k, v, lens, *weights, num_heads=H)
+    full = np.full_like(lens, k.shape[1])
+    np.testing.assert_allclose(floor, _per_head_loop(q, k, v, full, weights, H), rtol=1e-6, atol=1e-9)
+    assert not np.allclose(floor, out)  # the lengths mask something here
+
+
+@pytest.mark.backend("torch")
+def test_textbook_multi_head_attention_equals_torch_multihead_attention():
+    import torch
+
+    q, k, v, lens, weights, H = _mha_inputs(1, query_width=8)  # the layer's queries are embed_dim wide
+    h = weights[0].shape[0]
+    layer = torch.nn.MultiheadAttention(h, H, bias=False, batch_first=True, kdim=7, vdim=3)
+    layer = layer.double().eval()
+    with torch.no_grad():
+        for name, W in zip(("q_proj_weight", "k_proj_weight", "v_proj_weight"), weights):
+            getattr(layer, name).copy_(torch.from_numpy(W))
+        layer.out_proj.weight.copy_(torch.from_numpy(weights[3]))
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        padding = torch.arange(k.shape[1])[None, :] >= torch.from_numpy(lens)[:, None]
+        expected = layer(tq, tk, tv, key_padding_mask=padding, need_weights=False)[0].numpy()
+        tw = [torch.from_numpy(W) for W in weights]
+        ours = _load("textbook").implementations("torch")["textbook_mha"]
+        torch_out = ours(tq, tk, tv, torch.from_numpy(lens), *tw, num_heads=H).numpy()
+    numpy_out = _load("textbook").implementations("numpy")["textbook_mha"](
+        q, k, v, lens, *weights, num_heads=H
+    )
+    np.testing.assert_allclose(numpy_out, expected, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(torch_out, expected, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.backend("torch")
+def test_the_benchmarked_torch_layer_computes_the_textbook_multi_head_attention():
+    import torch
+
+    run = _load("run")
+    rng = np.random.default_rng(2)
+    h, lens = 16, torch.tensor([1, 6, 3])  # nn.MultiheadAttention's packed in_proj: every width h
+    args = [torch.from_numpy(rng.normal(size=(3, n, h))).float() for n in (4, 6, 6)] + [lens]
+    args += [torch.from_numpy(rng.normal(size=(h, h)) * 0.5).float() for _ in range(4)]
+    layers = run._torch_layer(*args)
+    assert set(layers) == {"torch-mha", "torch-mha-fast"}
+    textbook = _load("textbook").implementations("torch")["textbook_mha"]
+    with torch.no_grad():
+        expected = textbook(*args, num_heads=run.NUM_HEADS).numpy()
+        for name, fn in layers.items():
+            np.testing.assert_allclose(fn(*args).numpy(), expected, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_the_table_shows_the_multihead_row_and_the_torch_layer_comparison():
+    run = _load("run")
+    assert "multihead" in run.SIZES and "multihead" not in run.MEMORY_SIZES
+    times = {f"multihead/{impl}": t for impl, t in zip(run.IMPLS, (0.4, 0.2, 0.1, 0.05))}
+    both = {
+        "version": "1",
+        "times": dict(times, **{"multihead/torch-mha": 0.5, "multihead/torch-mha-fast": 0.4}),
+    }
+    table = run.render({"numpy": {"version": "1", "times": times}, "torch": both}, ["multihead"])
+    rows = [line for line in table.splitlines() if "| multihead |" in line]
+    assert len(rows) == 3  # numpy and torch in the main table, torch alone against its layer
+    assert "| 400.00 ms | 200.00 ms | 100.00 ms | 50.00 ms | 0.50x |" in rows[0]
+    assert rows[2].startswith(
+        "| torch 1 | multihead | 200.00 ms | 500.00 ms | 0.40x | 100.00 ms | 400.00 ms | 0.25x |"
+    )
+    assert "| multiattn | torch-mha | multiattn / torch-mha |" in table

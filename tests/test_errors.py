@@ -69,7 +69,7 @@ def test_valid_lens_must_be_numbers(bk):
 
 
 def test_masked_softmax_needs_3d_with_lengths(bk):
-    with raises("X must be 3-D (batch, queries, keys) when valid_lens is given, got shape (2, 5)"):
+    with raises("X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when valid_lens is given, got shape (2, 5)"):
         multiattn.masked_softmax(t(bk, 2, 5), bk.tensor(np.array([1, 2])))
 
 

@@ -73,7 +73,8 @@ def test_entry_points_equal_the_math_module(bk, dtype, mask):
 def test_masked_where_in_the_scores_memory(bk, dtype, mask, exact):
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
     ops = bk.module.ops
-    got, _ = strategies.masked_softmax_in_place(ops, ops.copy(t["X"]), lens_t, exact)
+    mask_t = core.visibility(ops, t["X"], lens_t)
+    got = strategies.masked_softmax_in_place(ops, ops.copy(t["X"]), mask_t, exact)
     want = ref.masked_softmax(a["X"], lens)
     if not exact:  # rows where nothing is visible stay uniform over the padding (attend's contract)
         visible = np.array([[ref.valid_count(n, K) for n in row] for row in np.broadcast_to(
@@ -145,9 +146,75 @@ def test_fused_kernel(bk, dtype, mask, monkeypatch):
     q, k, v = t["q"], t["k"], bk.tensor(np.random.default_rng(5).normal(size=(B, K, D)), dtype)
     monkeypatch.setattr(ops, "fused_min_scores", 0)
     if ops.can_fuse(q, k, v):
-        got = strategies.fused_attention(ops, q, k, v, lens_t, 1 / np.sqrt(D))
+        got = strategies.fused_attention(ops, q, k, v, strategies.Masks(lens_t), 1 / np.sqrt(D))
     else:  # no kernel for these inputs: the no-weights call runs the unfused math, never a kernel
         monkeypatch.setattr(ops, "fused_attention", _never("fused_attention"))
         got, _ = strategies.dot_product_attention(ops, q, k, v, lens_t, need_weights=False)
     want = ref.dot_product_attention(a["q"], a["k"], bk.numpy(v).astype(np.float64), lens)[0]
     _both(bk, got, core.dot_product_attention(ops, q, k, v, lens_t)[0], want, dtype)
+
+
+# Masks beside the lengths: a boolean mask with a fully masked row, causality, and both with
+# lengths; per-head (4-D) inputs as multi-head attention makes them.
+MASK_KINDS = ["attention_mask", "causal", "all"]
+
+
+def _masks(bk, kind, rng, heads=False):
+    """(Masks of tensors, the same as numpy for the reference), for scores (B, [2,] Q, K)."""
+    lens = lengths("1d", B, Q, K, rng) if kind == "all" else None
+    mask = None
+    if kind in ("attention_mask", "all"):
+        mask = rng.random((B, 2, Q, K) if heads else (B, Q, K)) < 0.6
+        mask[0, ..., 1, :] = False  # a fully masked row
+    causal = kind in ("causal", "all")
+    tensors = strategies.Masks(
+        None if lens is None else bk.tensor(lens), None if mask is None else bk.tensor(mask), causal
+    )
+    return tensors, dict(valid_lens=lens, attention_mask=mask, causal=causal)
+
+
+def _heads_reference(q, k, v, masks):
+    """ref.dot_product_attention per head of (B, 2, n, d) inputs."""
+    outs, weights = [], []
+    for h in range(2):
+        mask = masks["attention_mask"]
+        per_head = dict(masks, attention_mask=None if mask is None else mask[:, h])
+        out, w = ref.dot_product_attention(q[:, h], k[:, h], v[:, h], **per_head)
+        outs.append(out)
+        weights.append(w)
+    return np.stack(outs, 1), np.stack(weights, 1)
+
+
+@pytest.mark.parametrize("heads", [False, True], ids=["3d", "heads"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_strategy_takes_the_masks(bk, dtype, kind, heads, monkeypatch):
+    """The masked where, the fused kernel (forced where the adapter has one) and the entry
+    point, with boolean masks and causality, against the math module and the reference."""
+    if hasattr(bk.module, "FUSED_ON_CPU"):
+        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
+    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    ops = bk.module.ops
+    rng = np.random.default_rng(6)
+    lead = (B, 2) if heads else (B,)
+    arrays = [rng.normal(size=lead + (n, D)) for n in (Q, K, K)]
+    q, k, v = (bk.tensor(a, dtype) for a in arrays)
+    a_q, a_k, a_v = (bk.numpy(t).astype(np.float64) for t in (q, k, v))
+    masks, np_masks = _masks(bk, kind, rng, heads)
+    want, want_w = _heads_reference(a_q, a_k, a_v, np_masks) if heads else ref.dot_product_attention(
+        a_q, a_k, a_v, **np_masks
+    )  # fmt: skip
+    math_out, math_w = core.dot_product_attention(ops, q, k, v, masks.valid_lens, None, *masks[1:])
+    scale = 1 / float(np.sqrt(D))
+    for need_weights in (True, False):
+        got, got_w = strategies.scaled_dot_product(ops, q, k, v, masks, scale, need_weights=need_weights)
+        _both(bk, got, math_out, want, dtype)
+        if need_weights:
+            _both(bk, got_w, math_w, want_w, dtype)
+    if ops.can_fuse(q, k, v):
+        _both(bk, strategies.fused_attention(ops, q, k, v, masks, scale), math_out, want, dtype)
+    if not heads:
+        X = ops.matmul_t(q, k)
+        got = strategies.masked_softmax(ops, X, masks.valid_lens, masks.attention_mask, masks.causal)
+        want_sm = ref.masked_softmax(bk.numpy(X).astype(np.float64), **np_masks)
+        _both(bk, got, core.masked_softmax(ops, X, *masks), want_sm, dtype)

@@ -70,6 +70,24 @@ class ArrayApiOps(Ops):
         per_row = xp.reshape(lens, (lens.shape[0], -1, 1))  # (B, 1|Q, 1)
         return positions < per_row
 
+    def causal_mask(self, n_queries, n_keys, like):
+        xp = array_namespace(like)
+        positions = lambda n: xp.arange(n, device=device(like))  # noqa: E731
+        return positions(n_keys)[None, :] <= positions(n_queries)[:, None]
+
+    def logical_and(self, a, b):
+        return array_namespace(a, b).logical_and(a, b)
+
+    def split_heads(self, x, num_heads):
+        xp = array_namespace(x)
+        batch, n, width = x.shape
+        return xp.permute_dims(xp.reshape(x, (batch, n, num_heads, width // num_heads)), (0, 2, 1, 3))
+
+    def merge_heads(self, x):
+        xp = array_namespace(x)
+        batch, heads, n, width = x.shape
+        return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (batch, n, heads * width))
+
     def where(self, mask, x, fill):
         xp = array_namespace(x)
         return xp.where(mask, x, xp.asarray(fill, dtype=x.dtype, device=device(x)))
@@ -82,7 +100,7 @@ class ArrayApiOps(Ops):
 
 
 ops = ArrayApiOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 vjp = None  # the standard has no autodiff
 
 try:  # the library from_numpy makes arrays of: the standard's reference namespace by default

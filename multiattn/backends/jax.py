@@ -66,6 +66,20 @@ class JaxOps(Ops):
     def length_mask(self, x, lens, axis=-1):
         return jnp.arange(x.shape[axis]) < per_row(lens)
 
+    def causal_mask(self, n_queries, n_keys, like):
+        return jnp.tri(n_queries, n_keys, dtype=bool)
+
+    def logical_and(self, a, b):
+        return jnp.logical_and(a, b)
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = x.shape
+        return x.reshape(batch, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
+
+    def merge_heads(self, x):
+        batch, heads, n, width = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
+
     def where(self, mask, x, fill):
         return jnp.where(mask, x, jnp.asarray(fill, dtype=x.dtype))
 
@@ -99,15 +113,16 @@ class JaxOps(Ops):
         )
 
     def fused_attention(self, queries, keys, values, mask, scale):
-        heads = jnp.expand_dims  # jax's layout is (batch, seq, heads, dim): one head
+        # jax's layout is (batch, seq, heads, dim): heads moved there, or one head added
+        heads = (lambda x: jnp.swapaxes(x, 1, 2)) if queries.ndim == 4 else (lambda x: x[:, :, None])
         out = jax.nn.dot_product_attention(
-            heads(queries, 2),
-            heads(keys, 2),
-            heads(values, 2),
-            mask=None if mask is None else heads(mask, 1),
+            heads(queries),
+            heads(keys),
+            heads(values),
+            mask=None if mask is None else (mask if mask.ndim == 4 else mask[:, None]),
             scale=scale,
-        )[:, :, 0, :]
-        return out  # the core zeroes fully masked rows, which this kernel spreads uniformly
+        )
+        return jnp.swapaxes(out, 1, 2) if queries.ndim == 4 else out[:, :, 0]
 
 
 # On CPU XLA's dot_product_attention is slower than the unfused math (benchmarks/RESULTS.md);
@@ -115,7 +130,7 @@ class JaxOps(Ops):
 FUSED_ON_CPU = False
 
 ops = JaxOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("jax")
 
 

@@ -66,6 +66,20 @@ class MlxOps(Ops):
     def length_mask(self, x, lens, axis=-1):
         return mx.arange(x.shape[axis]) < per_row(lens)
 
+    def causal_mask(self, n_queries, n_keys, like):
+        return mx.tri(n_queries, n_keys, dtype=mx.bool_)
+
+    def logical_and(self, a, b):
+        return mx.logical_and(a, b)
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = x.shape
+        return x.reshape(batch, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
+
+    def merge_heads(self, x):
+        batch, heads, n, width = x.shape
+        return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
+
     def where(self, mask, x, fill):
         return mx.where(mask, x, mx.array(fill, dtype=x.dtype))
 
@@ -87,7 +101,9 @@ class MlxOps(Ops):
         return True
 
     def fused_attention(self, queries, keys, values, mask, scale):
-        heads = mx.expand_dims  # mlx's layout is (batch, heads, seq, dim): one head
+        if queries.ndim == 4:  # heads already: mlx's layout is (batch, heads, seq, dim)
+            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+        heads = mx.expand_dims  # one head
         out = mx.fast.scaled_dot_product_attention(
             heads(queries, 1),
             heads(keys, 1),
@@ -99,7 +115,7 @@ class MlxOps(Ops):
 
 
 ops = MlxOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("mlx")
 
 

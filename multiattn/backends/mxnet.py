@@ -93,6 +93,20 @@ class MxnetOps(Ops):
         positions = np.arange(x.shape[axis], dtype="float64")
         return positions < per_row(lens.astype("float64"))
 
+    def causal_mask(self, n_queries, n_keys, like):
+        return np.arange(n_keys, ctx=like.ctx)[None, :] <= np.arange(n_queries, ctx=like.ctx)[:, None]
+
+    def logical_and(self, a, b):
+        return (a.astype("int8") * b.astype("int8")) > 0  # mxnet.np has no logical_and on bool
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = x.shape
+        return np.transpose(x.reshape(batch, n, num_heads, width // num_heads), (0, 2, 1, 3))
+
+    def merge_heads(self, x):
+        batch, heads, n, width = x.shape
+        return np.transpose(x, (0, 2, 1, 3)).reshape(batch, n, heads * width)
+
     def where(self, mask, x, fill):
         return np.where(mask, x, np.array(fill, dtype=x.dtype))
 
@@ -106,7 +120,7 @@ class MxnetOps(Ops):
     # out): the padding is written by the sequence mask, on views (mxnet.numpy's reshape
     # copies) and into the core's own scores (out=) outside autograd.
     def host_lengths(self, x, lens):
-        if x.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
+        if x.dtype == onp.float64 or x.ndim != 3:  # sequence_mask's fill is float32; no heads axis
             return None
         return lens.asnumpy().astype("float64").tolist()
 
@@ -163,7 +177,7 @@ def _sequence_mask(x, lengths: onp.ndarray, fill: float, out=None):
 
 
 ops = MxnetOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("mxnet")
 
 

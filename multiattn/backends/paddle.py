@@ -107,6 +107,20 @@ class PaddleOps(Ops):
         positions = paddle.arange(x.shape[axis], dtype=common)
         return positions < per_row(lens.astype(common))
 
+    def causal_mask(self, n_queries, n_keys, like):
+        return paddle.arange(n_keys)[None, :] <= paddle.arange(n_queries)[:, None]
+
+    def logical_and(self, a, b):
+        return paddle.logical_and(a, b)
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = x.shape
+        return paddle.transpose(x.reshape([batch, n, num_heads, width // num_heads]), [0, 2, 1, 3])
+
+    def merge_heads(self, x):
+        batch, heads, n, width = x.shape
+        return paddle.transpose(x, [0, 2, 1, 3]).reshape([batch, n, heads * width])
+
     def where(self, mask, x, fill):
         return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))
 
@@ -147,7 +161,7 @@ def _untracked(x) -> bool:
 
 
 ops = PaddleOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("paddle")
 
 # paddle.jit.to_static would transcribe every function a layer calls, the framework-free

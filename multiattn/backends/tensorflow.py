@@ -103,6 +103,22 @@ class TensorFlowOps(Ops):
         positions = tf.range(tf.shape(x)[axis], dtype=common)
         return positions < per_row(tf.cast(lens, common))
 
+    def causal_mask(self, n_queries, n_keys, like):
+        n_queries = tf.shape(like)[-2] if n_queries is None else n_queries
+        n_keys = tf.shape(like)[-1] if n_keys is None else n_keys
+        return tf.range(n_keys)[None, :] <= tf.range(n_queries)[:, None]
+
+    def logical_and(self, a, b):
+        return tf.logical_and(a, b)
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = _dims(x)
+        return tf.transpose(tf.reshape(x, [batch, n, num_heads, width // num_heads]), [0, 2, 1, 3])
+
+    def merge_heads(self, x):
+        batch, heads, n, width = _dims(x)
+        return tf.reshape(tf.transpose(x, [0, 2, 1, 3]), [batch, n, heads * width])
+
     def where(self, mask, x, fill):
         return tf.where(mask, x, tf.constant(fill, dtype=x.dtype))
 
@@ -111,6 +127,12 @@ class TensorFlowOps(Ops):
 
     def cast(self, x, like):
         return tf.cast(x, like.dtype)
+
+
+def _dims(x: tf.Tensor) -> list:
+    """x's dimensions, static where known, else read at run time (a traced graph)."""
+    dynamic = tf.shape(x)
+    return [dynamic[i] if d is None else d for i, d in enumerate(x.shape.as_list())]
 
 
 def _matmul_weight(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
@@ -129,7 +151,7 @@ def _matmul_weight(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
 
 
 ops = TensorFlowOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("tensorflow")
 
 

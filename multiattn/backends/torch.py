@@ -66,6 +66,10 @@ class TorchOps(Ops):
         return self.matmul(a, b.transpose(-1, -2))
 
     def scaled_matmul_t(self, a, b, scale):
+        if a.dim() != 3:  # heads: (B, H, n, d) as one batch of B * H products
+            batch = a.shape[:-2]
+            a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
+            return self.scaled_matmul_t(a, b, scale).view(*batch, a.shape[-2], b.shape[-2])
         # the scale inside the GEMM (alpha): no pass over either operand; beta=0 ignores input
         return torch.baddbmm(_constant(0.0, a), a, b.transpose(-1, -2), beta=0, alpha=scale)
 
@@ -121,6 +125,27 @@ class TorchOps(Ops):
         per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
         return _positions(x.shape[axis], device) < per_row
 
+    def causal_mask(self, n_queries, n_keys, like):
+        key = ("causal", n_queries, n_keys, None if like.is_cpu else like.device)
+        mask = _POSITIONS.get(key)
+        if mask is None:
+            if len(_POSITIONS) > 256:
+                _POSITIONS.clear()
+            ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=like.device)
+            mask = _POSITIONS[key] = ones.tril()
+        return mask
+
+    def logical_and(self, a, b):
+        return a & b
+
+    def split_heads(self, x, num_heads):
+        batch, n, width = x.shape
+        return x.reshape(batch, n, num_heads, width // num_heads).transpose(1, 2)
+
+    def merge_heads(self, x):
+        batch, heads, n, width = x.shape
+        return x.transpose(1, 2).reshape(batch, n, heads * width)
+
     def where(self, mask, x, fill):
         return torch.where(mask, x, _constant(fill, x))
 
@@ -147,6 +172,8 @@ class TorchOps(Ops):
         return True
 
     def fused_attention(self, queries, keys, values, mask, scale):
+        if queries.dim() == 4:  # heads already
+            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
         # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
         out = F.scaled_dot_product_attention(
             queries.unsqueeze(1),
@@ -248,7 +275,7 @@ def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
 
 
 ops = TorchOps()
-masked_softmax, dot_product_attention, additive_attention = bind(ops)
+masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("torch")
 
 

@@ -2,10 +2,12 @@
 ...), and what they all share: argument checks, canonical weights and the call into
 ``multiattn.strategies`` (``AttentionCall``).
 
-The canonical (math) layout of the additive weights is the one of d2l's
-formula a(q, k) = w_v^T tanh(W_q q + W_k k):
-W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
-Adapters only say how to read and write their own parameters in that layout.
+The canonical (math) layout of the weights is the one of d2l's formulas, y = W x:
+additive a(q, k) = w_v^T tanh(W_q q + W_k k) has W_q (num_hiddens, query_size),
+W_k (num_hiddens, key_size), w_v (num_hiddens,); multi-head attention has W_q, W_k, W_v
+(num_hiddens, query/key/value_size), W_o (num_hiddens, num_hiddens) and, with bias,
+b_q, b_k, b_v, b_o (num_hiddens,).  Adapters only say how to read and write one of their
+own parameters (``_parameter``, ``_assign``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import strategies
+from .. import checks, core, strategies
 from ..protocol import Ops, Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
@@ -42,27 +44,36 @@ def check_sizes(key_size: Any, query_size: Any, num_hiddens: Any) -> tuple[int, 
     )
 
 
+def check_multi_head_sizes(num_hiddens: Any, num_heads: Any, sizes: tuple) -> tuple[int, int, tuple]:
+    """(num_hiddens, num_heads, (query_size, key_size, value_size)), the sizes defaulting to
+    num_hiddens; ValueError naming the argument."""
+    num_hiddens = check_size("num_hiddens", num_hiddens)
+    checks.check_num_heads(num_heads, num_hiddens)
+    widths = tuple(
+        num_hiddens if size is None else check_size(arg, size)
+        for arg, size in zip(("query_size", "key_size", "value_size"), sizes)
+    )
+    return num_hiddens, num_heads, widths
+
+
 def weight_shapes(key_size: int, query_size: int, num_hiddens: int) -> dict[str, tuple[int, ...]]:
     return {"W_q": (num_hiddens, query_size), "W_k": (num_hiddens, key_size), "w_v": (num_hiddens,)}
 
 
-def canonical_weights(
-    weights: Mapping[str, Any], key_size: int, query_size: int, num_hiddens: int
-) -> CanonicalWeights:
-    """Check a {"W_q", "W_k", "w_v"} dict against the layer's sizes; numpy copies."""
+def canonical_weights(weights: Mapping[str, Any], shapes: Mapping[str, tuple]) -> CanonicalWeights:
+    """Check a dict of canonical weights against a layer's shapes (name -> shape); numpy copies."""
+    names = tuple(shapes)
     if not isinstance(weights, Mapping):
-        raise TypeError(
-            f"weights must be a dict with keys {', '.join(WEIGHT_NAMES)}, got {type(weights).__name__}"
-        )
-    unknown = sorted(set(weights) - set(WEIGHT_NAMES))
-    missing = [k for k in WEIGHT_NAMES if k not in weights]
+        raise TypeError(f"weights must be a dict with keys {', '.join(names)}, got {type(weights).__name__}")
+    unknown = sorted(set(weights) - set(names))
+    missing = [k for k in names if k not in weights]
     if unknown or missing:
         raise ValueError(
-            f"weights must have exactly the keys {', '.join(WEIGHT_NAMES)}; "
+            f"weights must have exactly the keys {', '.join(names)}; "
             f"missing {missing or 'none'}, unknown {unknown or 'none'}"
         )
     out = {}
-    for key, expected in weight_shapes(key_size, query_size, num_hiddens).items():
+    for key, expected in shapes.items():
         value = np.array(weights[key])  # a copy: the layer never aliases the caller's array
         if value.shape != expected:
             raise ValueError(f"weights[{key!r}] must have shape {expected}, got {value.shape}")
@@ -72,77 +83,121 @@ def canonical_weights(
     return out
 
 
-def canonical_from_stored(
-    W_q: Any, W_k: Any, w_v: Any, to_numpy: Callable[[Any], np.ndarray], stored_in_out: bool
-) -> CanonicalWeights:
-    """The canonical dict from a layer's own parameters, stored (out, in) as torch, mlx and
-    mxnet do, or (in, out) as Keras, flax and paddle do (stored_in_out); w_v any shape."""
-    W_q, W_k = to_numpy(W_q), to_numpy(W_k)
-    if stored_in_out:
-        W_q, W_k = W_q.T, W_k.T
-    return {"W_q": np.array(W_q), "W_k": np.array(W_k), "w_v": np.array(to_numpy(w_v)).reshape(-1)}
-
-
 class CanonicalWeightsMixin:
     """get_weights()/set_weights() in the canonical layout, for every adapter.
 
-    A subclass sets key_size, query_size, num_hiddens, says how its framework stores the
-    weights (``_stored_in_out``: (in, out) as Keras, flax and paddle; else (out, in) as torch,
-    mlx and mxnet), hands them out with ``_stored_weights()`` -> (W_q, W_k, w_v (h,)), its
-    framework's tensors as stored, and implements _write_weights(dict of numpy arrays).
-    """
+    A class says which weights it has (``_weight_shapes``: name -> canonical shape) and how
+    its framework stores matrices (``_stored_in_out``: (in, out) as Keras, flax and paddle;
+    else (out, in) as torch, mlx and mxnet); its framework's base class reads a parameter as
+    stored (``_parameter(name)``) and writes one from a numpy array in the stored layout
+    (``_assign(name, array)``, reshaped to the parameter's shape)."""
 
-    key_size: int
-    query_size: int
-    num_hiddens: int
-    _stored_in_out: bool = False
-    _to_numpy: Callable[[Any], np.ndarray]
+    _to_numpy: Callable[[Any], np.ndarray]  # _stored_in_out: from AttentionCall or the framework's base
 
-    def _stored_weights(self) -> Tuple[Tensor, Tensor, Tensor]:
+    def _weight_shapes(self) -> Dict[str, Tuple[int, ...]]:
         raise NotImplementedError
+
+    # _parameter(name) -> Tensor and _assign(name, array) come from the framework's base class
+
+    def _stored(self, value: np.ndarray) -> np.ndarray:
+        """A canonical matrix in the stored layout (and back: a transpose is its own inverse)."""
+        return np.ascontiguousarray(value.T) if value.ndim == 2 and self._stored_in_out else value
 
     def _read_weights(self) -> CanonicalWeights:
-        return canonical_from_stored(*self._stored_weights(), self._to_numpy, self._stored_in_out)
-
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        raise NotImplementedError
+        return {
+            name: np.array(self._stored(self._to_numpy(self._parameter(name)))).reshape(shape)
+            for name, shape in self._weight_shapes().items()
+        }
 
     def get_weights(self) -> CanonicalWeights:
-        """{"W_q": (h, query_size), "W_k": (h, key_size), "w_v": (h,)} as numpy arrays."""
+        """The weights in the canonical layout (W: (out, in) as in y = W x), numpy arrays."""
         return self._read_weights()
 
     def set_weights(self, weights: Mapping[str, Any]) -> None:
         """Load weights given in the canonical layout (see get_weights)."""
-        self._write_weights(canonical_weights(weights, self.key_size, self.query_size, self.num_hiddens))
+        for name, value in canonical_weights(weights, self._weight_shapes()).items():
+            self._assign(name, self._stored(value))
+
+
+class AdditiveWeights(CanonicalWeightsMixin):
+    """W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,)."""
+
+    key_size: int
+    query_size: int
+    num_hiddens: int
+
+    def _weight_shapes(self):
+        return weight_shapes(self.key_size, self.query_size, self.num_hiddens)
+
+
+class MultiHeadWeights(CanonicalWeightsMixin):
+    """W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and, with
+    bias, b_q, b_k, b_v, b_o (h,); h = num_hiddens."""
+
+    num_hiddens: int
+    query_size: int
+    key_size: int
+    value_size: int
+    bias: bool
+
+    def _weight_shapes(self):
+        return checks.multi_head_weight_shapes(
+            self.num_hiddens, self.query_size, self.key_size, self.value_size, self.bias
+        )
 
 
 class AttentionCall:
     """The call from a layer into the strategies, shared by every framework's classes.
 
-    A framework's layers set ``_ops`` (the backend's ``Ops``); additive layers are also
-    ``CanonicalWeightsMixin``s (their ``_stored_weights`` and ``_stored_in_out``).
+    A framework's layers set ``_ops`` (the backend's ``Ops``); layers with parameters are also
+    ``CanonicalWeightsMixin``s (``_parameter`` and ``_stored_in_out``).
     """
 
     _ops: Ops
+    _stored_in_out: bool = False
     query_size: Optional[int] = None
     key_size: Optional[int] = None
 
-    def _dot_product(self, queries, keys, values, valid_lens, dropout, need_weights=True):
-        """(output, weights or None) of dot-product attention."""
-        self._ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        return strategies.dot_product_attention(
-            self._ops, queries, keys, values, valid_lens, dropout, need_weights
+    def _check(self, queries, keys, values, valid_lens, attention_mask):
+        self._ops.check_tensors(
+            queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
         )
 
-    def _additive(self, queries, keys, values, valid_lens, dropout):
-        """(output, weights) of additive attention with this layer's parameters."""
+    def _dot_product(
+        self, queries, keys, values, valid_lens, dropout, need_weights=True, attention_mask=None, causal=False
+    ):
+        """(output, weights or None) of dot-product attention."""
+        self._check(queries, keys, values, valid_lens, attention_mask)
+        return strategies.dot_product_attention(
+            self._ops, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal
+        )
+
+    def _project(self, name: str, like: Tensor) -> Callable[[Tensor], Tensor]:
+        """x -> W x (+ b) with this layer's parameters W_<name> (and b_<name>), cast to like's
+        dtype (computed in the inputs' dtype; a no-op where they match)."""
         ops = self._ops
-        ops.check_tensors(queries=queries, keys=keys, values=values, valid_lens=valid_lens)
-        # computed in the inputs' dtype, the parameters cast to it (no-op where they match)
-        W_q, W_k, w_v = (ops.cast(p, queries) for p in self._stored_weights())
-        product = ops.matmul if self._stored_in_out else ops.matmul_t
+        W = ops.cast(self._parameter("W_" + name), like)
+        b = ops.cast(self._parameter("b_" + name), like) if getattr(self, "bias", False) else None
+        if not self._stored_in_out:
+            return lambda x: core.linear(ops, x, W, b)
+        return lambda x: ops.matmul(x, W) if b is None else ops.matmul(x, W) + b
+
+    def _additive(self, queries, keys, values, valid_lens, dropout, attention_mask=None, causal=False):
+        """(output, weights) of additive attention with this layer's parameters."""
+        self._check(queries, keys, values, valid_lens, attention_mask)
         return strategies.additive_attention(
-            ops, queries, keys, values, valid_lens,
-            project_q=lambda q: product(q, W_q), project_k=lambda k: product(k, W_k), w_v=w_v,
-            query_size=self.query_size, key_size=self.key_size, dropout=dropout,
+            self._ops, queries, keys, values, valid_lens,
+            project_q=self._project("q", queries), project_k=self._project("k", queries),
+            w_v=self._ops.cast(self._w_v(), queries), query_size=self.query_size, key_size=self.key_size,
+            dropout=dropout, attention_mask=attention_mask, causal=causal,
+        )  # fmt: skip
+
+    def _multi_head(self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal):
+        """(output, weights or None) of multi-head attention with this layer's parameters."""
+        self._check(queries, keys, values, valid_lens, attention_mask)
+        return strategies.multi_head_attention(
+            self._ops, queries, keys, values, valid_lens,
+            project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
+            num_hiddens=self.num_hiddens, sizes=(self.query_size, self.key_size, self.value_size),
+            dropout=dropout, need_weights=need_weights, attention_mask=attention_mask, causal=causal,
         )  # fmt: skip

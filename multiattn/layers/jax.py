@@ -17,10 +17,11 @@ from flax.errors import TraceContextError
 
 from ..backends.jax import ops, to_numpy
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
-    CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
@@ -38,6 +39,22 @@ class _Module(AttentionCall, nnx.Module):
     def attention_weights(self) -> Optional[jax.Array]:
         """The weights before dropout of the last call (eager or nnx.jit)."""
         return self._attention_weights.get_value()
+
+    def _variable(self, name: str) -> nnx.Param:
+        # W_q and b_q are the kernel and bias of the nnx.Linear W_q; kernels are (in, out)
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]).bias
+        return getattr(self, name).kernel
+
+    def _parameter(self, name):
+        return self._variable(name)[...]
+
+    def _assign(self, name, value):
+        variable = self._variable(name)
+        variable.set_value(jnp.asarray(value.reshape(variable.shape), dtype=variable[...].dtype))
+
+    def _dropout_now(self):
+        return self.dropout if not self.dropout.deterministic and self.dropout.rate > 0 else None
 
     def _finish(self, result, return_weights: bool):
         out, weights = result
@@ -57,16 +74,18 @@ class DotProductAttention(_Module):
         super().__init__(dropout, rngs if rngs is not None else nnx.Rngs(0))
         self.need_weights = need_weights  # False: jax.nn.dot_product_attention, no weights kept
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
-        dropping = not self.dropout.deterministic and self.dropout.rate > 0
-        dropout = self.dropout if dropping else None
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
+        return_weights: bool = False,
+    ):  # fmt: skip
         result = self._dot_product(
-            queries, keys, values, valid_lens, dropout, self.need_weights or return_weights
-        )
+            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
+            attention_mask, causal,
+        )  # fmt: skip
         return self._finish(result, return_weights)
 
 
-class AdditiveAttention(CanonicalWeightsMixin, _Module):
+class AdditiveAttention(AdditiveWeights, _Module):
     """Additive attention with ``nnx.Linear(use_bias=False)`` maps; kernels are (in, out)."""
 
     _stored_in_out = True
@@ -89,19 +108,58 @@ class AdditiveAttention(CanonicalWeightsMixin, _Module):
         self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
         self.w_v = nnx.Linear(self.num_hiddens, 1, **linear)
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            kernel = getattr(self, key).kernel
-            layout = value.T if value.ndim == 2 else value[:, None]
-            kernel.set_value(jnp.asarray(layout, dtype=kernel[...].dtype))
+    def _w_v(self):
+        return self.w_v.kernel[...][:, 0]
 
-    def _stored_weights(self):
-        return (
-            self.W_q.kernel[...],
-            self.W_k.kernel[...],
-            self.w_v.kernel[...][:, 0],
-        )  # W_q, W_k stored (in, out); w_v (h,)
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
+        return_weights: bool = False,
+    ):  # fmt: skip
+        result = self._additive(queries, keys, values, valid_lens, self.dropout, attention_mask, causal)
+        return self._finish(result, return_weights)
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False):
-        result = self._additive(queries, keys, values, valid_lens, self.dropout)
+
+class MultiHeadAttention(MultiHeadWeights, _Module):
+    """Multi-head attention (d2l 11.5) with ``nnx.Linear`` maps W_q, W_k, W_v, W_o (kernels
+    (in, out), biases with ``bias=True``); heads of num_hiddens / num_heads contiguous columns.
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    """
+
+    _stored_in_out = True
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+        rngs: Optional[nnx.Rngs] = None,
+        param_dtype: Any = jnp.float32,
+    ) -> None:
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        super().__init__(dropout, rngs)
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias, self.need_weights = bool(bias), need_weights
+        linear = dict(use_bias=self.bias, param_dtype=param_dtype, rngs=rngs)
+        self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
+        self.W_k = nnx.Linear(self.key_size, self.num_hiddens, **linear)
+        self.W_v = nnx.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_o = nnx.Linear(self.num_hiddens, self.num_hiddens, **linear)
+
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
+        return_weights: bool = False,
+    ):  # fmt: skip
+        result = self._multi_head(
+            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
+            attention_mask, causal,
+        )  # fmt: skip
         return self._finish(result, return_weights)

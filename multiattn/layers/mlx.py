@@ -9,66 +9,117 @@ from mlx import nn
 
 from ..backends.mlx import from_numpy, ops, to_numpy
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
-    CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
 
-class DotProductAttention(AttentionCall, nn.Module):
-    """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
+class _Layer(AttentionCall, nn.Module):
+    """Dropout, the attention weights and the parameters of the mlx modules (weights (out, in))."""
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
 
-    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
+    def __init__(self, dropout: float) -> None:
         super().__init__()
         self._rate = check_dropout(dropout)
         self.dropout = nn.Dropout(self._rate)
-        self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
         self._attention_weights: Optional[mx.array] = None
 
     @property
     def attention_weights(self) -> Optional[mx.array]:
         return self._attention_weights
 
-    def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
-        dropout = self.dropout if self.training and self._rate > 0 else None
+    def _dropout_now(self):
+        return self.dropout if self.training and self._rate > 0 else None
+
+    def _parameter(self, name):
+        # W_q and b_q are the weight and bias of the nn.Linear W_q
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]).bias
+        return getattr(self, name).weight
+
+    def _assign(self, name, value):
+        linear = getattr(self, "W_" + name[2:] if name.startswith("b_") else name)
+        field = "bias" if name.startswith("b_") else "weight"
+        current = getattr(linear, field)
+        setattr(linear, field, from_numpy(value.reshape(current.shape)).astype(current.dtype))
+
+
+class DotProductAttention(_Layer):
+    """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
+
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
+        super().__init__(dropout)
+        self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
+
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+    ) -> mx.array:
         out, self._attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, dropout, self._need_weights
+            queries, keys, values, valid_lens, self._dropout_now(), self._need_weights, attention_mask, causal
         )
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Module):
+class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention with ``nn.Linear(bias=False)``; MLX stores weights (out, in)."""
 
-    _stored_in_out = False
-
-    _ops, _to_numpy = ops, staticmethod(to_numpy)
-
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
-        super().__init__()
+        super().__init__(dropout)
         self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
         self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias=False)
         self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=False)
         self.w_v = nn.Linear(self.num_hiddens, 1, bias=False)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self._attention_weights: Optional[mx.array] = None
 
-    @property
-    def attention_weights(self) -> Optional[mx.array]:
-        return self._attention_weights
+    def _w_v(self):
+        return self.w_v.weight[0]
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            linear = getattr(self, key)
-            linear.weight = from_numpy(value.reshape(linear.weight.shape)).astype(linear.weight.dtype)
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+    ) -> mx.array:
+        out, self._attention_weights = self._additive(
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+        )
+        return out
 
-    def _stored_weights(self):
-        return self.W_q.weight, self.W_k.weight, self.w_v.weight[0]  # W_q, W_k stored (out, in); w_v (h,)
 
-    def __call__(self, queries, keys, values, valid_lens=None) -> mx.array:
-        out, self._attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
+class MultiHeadAttention(MultiHeadWeights, _Layer):
+    """Multi-head attention (d2l 11.5) with ``nn.Linear`` maps W_q, W_k, W_v, W_o (weights
+    (out, in), biases with ``bias=True``); heads of num_hiddens / num_heads contiguous columns.
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+    ) -> None:
+        super().__init__(dropout)
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias, self._need_weights = bool(bias), need_weights
+        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=self.bias)
+        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias=self.bias)
+        self.W_v = nn.Linear(self.value_size, self.num_hiddens, bias=self.bias)
+        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, bias=self.bias)
+
+    def __call__(
+        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+    ) -> mx.array:
+        out, self._attention_weights = self._multi_head(
+            queries, keys, values, valid_lens, self._dropout_now(), self._need_weights, attention_mask, causal
+        )
         return out

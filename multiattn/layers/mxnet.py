@@ -3,25 +3,47 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from mxnet import np
 from mxnet.gluon import nn
 
 from ..backends.mxnet import ops, to_numpy
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
-    CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
 
-class DotProductAttention(AttentionCall, nn.Block):
-    """Scaled dot-product attention; dropout only inside ``autograd.record()``."""
+class _Block(AttentionCall, nn.Block):
+    """The ops and the parameters of the Gluon blocks (Dense weights stored (out, in))."""
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        # Gluon's Block.__call__ passes positional arguments only
+        return super().__call__(queries, keys, values, valid_lens, attention_mask, causal)
+
+    def _param(self, name):
+        # W_q and b_q are the weight and bias of the nn.Dense W_q
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]).bias
+        return getattr(self, name).weight
+
+    def _parameter(self, name):
+        return self._param(name).data()
+
+    def _assign(self, name, value):
+        param = self._param(name)
+        param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
+
+
+class DotProductAttention(_Block):
+    """Scaled dot-product attention; dropout only inside ``autograd.record()``."""
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -29,23 +51,19 @@ class DotProductAttention(AttentionCall, nn.Block):
         self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights = None
 
-    def forward(self, queries, keys, values, valid_lens=None):
+    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights
+            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
         )
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Block):
+class AdditiveAttention(AdditiveWeights, _Block):
     """Additive attention with ``nn.Dense(use_bias=False, flatten=False)``; weights (out, in).
 
     The parameters are initialised at construction (the sizes are known), so
     there is no ``initialize()`` to call; calling it anyway only warns.
     """
-
-    _stored_in_out = False
-
-    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(
         self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
@@ -60,18 +78,52 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Block):
         self.attention_weights = None
         self.initialize()
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            param = getattr(self, key).weight
-            param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
+    def _w_v(self):
+        return self.w_v.weight.data()[0]
 
-    def _stored_weights(self):
-        return (
-            self.W_q.weight.data(),
-            self.W_k.weight.data(),
-            self.w_v.weight.data()[0],
-        )  # W_q, W_k stored (out, in); w_v (h,)
+    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
+        out, self.attention_weights = self._additive(
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+        )
+        return out
 
-    def forward(self, queries, keys, values, valid_lens=None):
-        out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
+
+class MultiHeadAttention(MultiHeadWeights, _Block):
+    """Multi-head attention (d2l 11.5) with ``nn.Dense(flatten=False)`` maps W_q, W_k, W_v,
+    W_o (weights (out, in), biases with ``bias=True``), initialised at construction.
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias, self.need_weights = bool(bias), need_weights
+        dense = dict(use_bias=self.bias, flatten=False)
+        self.W_q = nn.Dense(self.num_hiddens, in_units=self.query_size, **dense)
+        self.W_k = nn.Dense(self.num_hiddens, in_units=self.key_size, **dense)
+        self.W_v = nn.Dense(self.num_hiddens, in_units=self.value_size, **dense)
+        self.W_o = nn.Dense(self.num_hiddens, in_units=self.num_hiddens, **dense)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights = None
+        self.initialize()
+
+    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
+        out, self.attention_weights = self._multi_head(
+            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+        )
         return out

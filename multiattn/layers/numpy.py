@@ -8,13 +8,20 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from ..backends.numpy import ops, to_numpy
-from . import AttentionCall, CanonicalWeights, CanonicalWeightsMixin, check_dropout, check_sizes
+from . import (
+    AdditiveWeights,
+    AttentionCall,
+    MultiHeadWeights,
+    check_dropout,
+    check_multi_head_sizes,
+    check_sizes,
+)
 
 Seed = Union[None, int, np.random.Generator]
 
 
 class _Layer(AttentionCall):
-    """The training flag and dropout of the numpy layers."""
+    """The training flag, dropout and parameters (attributes by canonical name, stored (out, in))."""
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
 
@@ -37,6 +44,20 @@ class _Layer(AttentionCall):
         keep = self.rng.random(weights.shape) >= self.dropout
         return np.where(keep, weights / (1.0 - self.dropout), 0).astype(weights.dtype)
 
+    def _init_parameters(self, dtype: Any) -> None:
+        """Every weight uniform in +-1/sqrt(fan_in), as ``torch.nn.Linear``."""
+        self.dtype = np.dtype(dtype)
+        for name, shape in self._weight_shapes().items():
+            fan_in = self._weight_shapes()["W" + name[1:]][-1] if name.startswith("b_") else shape[-1]
+            bound = 1.0 / np.sqrt(fan_in)
+            setattr(self, name, self.rng.uniform(-bound, bound, shape).astype(self.dtype))
+
+    def _parameter(self, name):
+        return getattr(self, name)
+
+    def _assign(self, name, value):
+        setattr(self, name, value.astype(self.dtype))
+
 
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; ``seed`` seeds the dropout masks."""
@@ -45,22 +66,20 @@ class DotProductAttention(_Layer):
         super().__init__(dropout, seed)
         self.need_weights = need_weights  # False: attention_weights is not kept
 
-    def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
+    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self._dropout, self.need_weights
+            queries, keys, values, valid_lens, self._dropout, self.need_weights, attention_mask, causal
         )
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, _Layer):
+class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention with parameters W_q, W_k, w_v in the canonical layout.
 
     Initialised like ``torch.nn.Linear`` (uniform in +-1/sqrt(fan_in)) from
     ``seed``; ``dtype`` is the parameters' dtype.  The computation runs in the
     inputs' dtype, so the output dtype is the input dtype.
     """
-
-    _stored_in_out = False
 
     def __init__(
         self,
@@ -74,23 +93,50 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
     ) -> None:
         self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
         super().__init__(dropout, seed)
-        self.dtype = np.dtype(dtype)
+        self._init_parameters(dtype)
 
-        def init(shape, fan_in):
-            bound = 1.0 / np.sqrt(fan_in)
-            return self.rng.uniform(-bound, bound, shape).astype(self.dtype)
+    def _w_v(self):
+        return self.w_v
 
-        self.W_q = init((self.num_hiddens, self.query_size), self.query_size)
-        self.W_k = init((self.num_hiddens, self.key_size), self.key_size)
-        self.w_v = init((self.num_hiddens,), self.num_hiddens)
+    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._additive(
+            queries, keys, values, valid_lens, self._dropout, attention_mask, causal
+        )
+        return out
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            setattr(self, key, value.astype(self.dtype))
 
-    def _stored_weights(self):
-        return self.W_q, self.W_k, self.w_v  # W_q, W_k stored (out, in); w_v (h,)
+class MultiHeadAttention(MultiHeadWeights, _Layer):
+    """Multi-head attention (d2l 11.5) with W_q, W_k, W_v, W_o (and b_q, b_k, b_v, b_o with
+    bias) in the canonical layout, initialised as ``AdditiveAttention``'s.
 
-    def __call__(self, queries, keys, values, valid_lens=None) -> np.ndarray:
-        out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self._dropout)
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout (d2l's
+    (batch * num_heads, queries, keys) is ``attention_weights.reshape(-1, Q, K)``).
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+        seed: Seed = None,
+        dtype: Any = "float32",
+    ) -> None:
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias = bool(bias)
+        self.need_weights = need_weights
+        super().__init__(dropout, seed)
+        self._init_parameters(dtype)
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._multi_head(
+            queries, keys, values, valid_lens, self._dropout, self.need_weights, attention_mask, causal
+        )
         return out

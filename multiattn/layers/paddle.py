@@ -10,18 +10,36 @@ from paddle import nn  # noqa: E402
 
 from ..backends.paddle import ops, to_numpy  # first: it guards the paddle import
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
-    CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
 
-class DotProductAttention(AttentionCall, nn.Layer):
-    """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
+class _Layer(AttentionCall, nn.Layer):
+    """The ops and the parameters of the paddle layers (Linear weights stored (in, out))."""
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
+    _stored_in_out = True
+
+    def _parameter(self, name):
+        # W_q and b_q are the weight and bias of the nn.Linear W_q
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]).bias
+        return getattr(self, name).weight
+
+    def _assign(self, name, value):
+        param = self._parameter(name)
+        param.set_value(
+            paddle.to_tensor(np.ascontiguousarray(value.reshape(param.shape))).astype(param.dtype)
+        )
+
+
+class DotProductAttention(_Layer):
+    """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
@@ -29,19 +47,15 @@ class DotProductAttention(AttentionCall, nn.Layer):
         self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights: Optional[paddle.Tensor] = None
 
-    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights
+            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
         )
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
+class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention with ``nn.Linear(bias_attr=False)``; paddle stores weights (in, out)."""
-
-    _stored_in_out = True
-
-    _ops, _to_numpy = ops, staticmethod(to_numpy)
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
@@ -52,15 +66,50 @@ class AdditiveAttention(CanonicalWeightsMixin, AttentionCall, nn.Layer):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[paddle.Tensor] = None
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            param = getattr(self, key).weight
-            layout = value.T if value.ndim == 2 else value[:, None]
-            param.set_value(paddle.to_tensor(np.ascontiguousarray(layout)).astype(param.dtype))
+    def _w_v(self):
+        return self.w_v.weight[:, 0]
 
-    def _stored_weights(self):
-        return self.W_q.weight, self.W_k.weight, self.w_v.weight[:, 0]  # W_q, W_k stored (in, out); w_v (h,)
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._additive(
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+        )
+        return out
 
-    def forward(self, queries, keys, values, valid_lens=None) -> paddle.Tensor:
-        out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
+
+class MultiHeadAttention(MultiHeadWeights, _Layer):
+    """Multi-head attention (d2l 11.5) with ``nn.Linear`` maps W_q, W_k, W_v, W_o (weights
+    stored (in, out), biases with ``bias=True``); heads of num_hiddens / num_heads columns.
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+    ) -> None:
+        super().__init__()
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias, self.need_weights = bool(bias), need_weights
+        linear = dict(bias_attr=None if self.bias else False)
+        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
+        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
+        self.W_v = nn.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[paddle.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._multi_head(
+            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+        )
         return out

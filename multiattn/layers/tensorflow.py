@@ -8,17 +8,19 @@ The layers work eagerly, inside ``tf.function`` and inside Keras models;
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import tensorflow as tf
 
 from ..backends.tensorflow import keras, ops, to_numpy
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
     CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
@@ -41,55 +43,21 @@ class _Layer(AttentionCall, keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "dropout": self.rate}
 
+    def _parameter(self, name):
+        return getattr(self, name)  # Keras variables, kernels stored (in, out)
 
-@keras.saving.register_keras_serializable(package="multiattn")
-class DotProductAttention(_Layer):
-    """Scaled dot-product attention as a Keras layer; dropout only when training."""
-
-    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
-        super().__init__(dropout, **kwargs)
-        self.need_weights = need_weights  # False: attention_weights is not kept (no fused TF kernel)
-
-    def call(self, queries, keys, values, valid_lens=None, training=None):
-        out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self._dropout(training), self.need_weights
-        )
-        return out
-
-    def get_config(self):
-        return {**super().get_config(), "need_weights": self.need_weights}
+    def _assign(self, name, value):
+        variable = getattr(self, name)
+        variable.assign(np.asarray(value.reshape(variable.shape), dtype=variable.dtype))
 
 
-@keras.saving.register_keras_serializable(package="multiattn")
-class AdditiveAttention(CanonicalWeightsMixin, _Layer):
-    """Additive attention as a Keras layer with weights W_q, W_k, w_v (glorot_uniform, as Dense).
-
-    Keras stores kernels (in, out): Keras' own weight list holds W_k (key_size, h),
-    W_q (query_size, h), w_v (h, 1); get_weights()/set_weights(dict) speak the
-    canonical layout and transpose.
-    """
+class _Weighted(CanonicalWeightsMixin, _Layer):
+    """Keras' own get_weights() list stays available as get_weights(format="keras")."""
 
     _stored_in_out = True
 
-    def __init__(
-        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
-    ) -> None:
-        super().__init__(dropout, **kwargs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        # The sizes are known now: create the weights at once so get/set_weights work before a call.
-        kernel = dict(initializer="glorot_uniform", trainable=True)
-        self.W_k = self.add_weight(shape=(self.key_size, self.num_hiddens), name="W_k", **kernel)
-        self.W_q = self.add_weight(shape=(self.query_size, self.num_hiddens), name="W_q", **kernel)
-        self.w_v = self.add_weight(shape=(self.num_hiddens, 1), name="w_v", **kernel)
-        self.built = True
-
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        for key, value in weights.items():
-            variable = getattr(self, key)
-            variable.assign(np.asarray(value.T if value.ndim == 2 else value[:, None], dtype=variable.dtype))
-
     def get_weights(self, format: str = "canonical"):  # noqa: A002 - Keras' name
-        """The canonical dict; ``format="keras"`` gives Keras' list [W_k, W_q, w_v] (in, out)."""
+        """The canonical dict; ``format="keras"`` gives Keras' list of variables (in, out)."""
         if format == "keras":
             return keras.layers.Layer.get_weights(self)
         if format != "canonical":
@@ -103,12 +71,59 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         else:
             CanonicalWeightsMixin.set_weights(self, weights)
 
-    def _stored_weights(self):
-        return self.W_q, self.W_k, tf.reshape(self.w_v, [-1])  # W_q, W_k stored (in, out); w_v (h,)
 
-    def call(self, queries, keys, values, valid_lens=None, training=None):
+@keras.saving.register_keras_serializable(package="multiattn")
+class DotProductAttention(_Layer):
+    """Scaled dot-product attention as a Keras layer; dropout only when training."""
+
+    def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
+        super().__init__(dropout, **kwargs)
+        self.need_weights = need_weights  # False: attention_weights is not kept (no fused TF kernel)
+
+    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
+        out, self.attention_weights = self._dot_product(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout(training),
+            self.need_weights,
+            attention_mask,
+            causal,
+        )
+        return out
+
+    def get_config(self):
+        return {**super().get_config(), "need_weights": self.need_weights}
+
+
+@keras.saving.register_keras_serializable(package="multiattn")
+class AdditiveAttention(AdditiveWeights, _Weighted):
+    """Additive attention as a Keras layer with weights W_q, W_k, w_v (glorot_uniform, as Dense).
+
+    Keras stores kernels (in, out): Keras' own weight list holds W_k (key_size, h),
+    W_q (query_size, h), w_v (h, 1); get_weights()/set_weights(dict) speak the
+    canonical layout and transpose.
+    """
+
+    def __init__(
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        # The sizes are known now: create the weights at once so get/set_weights work before a call.
+        kernel = dict(initializer="glorot_uniform", trainable=True)
+        self.W_k = self.add_weight(shape=(self.key_size, self.num_hiddens), name="W_k", **kernel)
+        self.W_q = self.add_weight(shape=(self.query_size, self.num_hiddens), name="W_q", **kernel)
+        self.w_v = self.add_weight(shape=(self.num_hiddens, 1), name="w_v", **kernel)
+        self.built = True
+
+    def _w_v(self):
+        return tf.reshape(self.w_v, [-1])
+
+    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
         out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self._dropout(training)
+            queries, keys, values, valid_lens, self._dropout(training), attention_mask, causal
         )
         return out
 
@@ -118,4 +133,66 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
             "key_size": self.key_size,
             "query_size": self.query_size,
             "num_hiddens": self.num_hiddens,
+        }
+
+
+@keras.saving.register_keras_serializable(package="multiattn")
+class MultiHeadAttention(MultiHeadWeights, _Weighted):
+    """Multi-head attention (d2l 11.5) as a Keras layer: kernels W_q, W_k, W_v, W_o stored
+    (in, out) (glorot_uniform, as Dense) and, with bias, b_q, b_k, b_v, b_o (zeros).
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(dropout, **kwargs)
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias, self.need_weights = bool(bias), need_weights
+        for name, size in zip("qkvo", (*sizes, self.num_hiddens)):
+            setattr(self, "W_" + name, self.add_weight(shape=(size, self.num_hiddens), name="W_" + name))
+            if self.bias:
+                setattr(
+                    self,
+                    "b_" + name,
+                    self.add_weight(shape=(self.num_hiddens,), name="b_" + name, initializer="zeros"),
+                )
+        self.built = True
+
+    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
+        out, self.attention_weights = self._multi_head(
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout(training),
+            self.need_weights,
+            attention_mask,
+            causal,
+        )
+        return out
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "num_hiddens": self.num_hiddens,
+            "num_heads": self.num_heads,
+            "bias": self.bias,
+            "query_size": self.query_size,
+            "key_size": self.key_size,
+            "value_size": self.value_size,
+            "need_weights": self.need_weights,
         }

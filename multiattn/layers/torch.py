@@ -1,8 +1,8 @@
 """PyTorch layers: ``torch.nn.Module`` classes.
 
-They keep d2l's attribute names (``W_q``, ``W_k``, ``w_v`` as
-``nn.Linear(bias=False)``, ``dropout`` as ``nn.Dropout``), so a state_dict
-saved from d2l's ``AdditiveAttention`` loads into ours and back.
+They keep d2l's attribute names (``W_q``, ``W_k``, ``w_v``, ``W_v``, ``W_o`` as
+``nn.Linear``, ``dropout`` as ``nn.Dropout``), so a state_dict saved from d2l's
+``AdditiveAttention`` or ``MultiHeadAttention`` loads into ours and back.
 """
 
 from __future__ import annotations
@@ -14,18 +14,19 @@ from torch import nn
 
 from ..backends.torch import ops, to_numpy
 from . import (
+    AdditiveWeights,
     AttentionCall,
-    CanonicalWeights,
-    CanonicalWeightsMixin,
+    MultiHeadWeights,
     check_dropout,
+    check_multi_head_sizes,
     check_sizes,
 )
 
 
 class _Layer(AttentionCall, nn.Module):
-    """What both layers share: the ops, and copies that keep the last weights detached
-    (``copy.deepcopy`` refuses tensors of an autograd graph; EMA copies and target networks
-    deep-copy a module after a forward call)."""
+    """What the layers share: the ops, their parameters by canonical name, and copies that
+    keep the last weights detached (``copy.deepcopy`` refuses tensors of an autograd graph;
+    EMA copies and target networks deep-copy a module after a forward call)."""
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
 
@@ -34,6 +35,20 @@ class _Layer(AttentionCall, nn.Module):
         if isinstance(state.get("attention_weights"), torch.Tensor):
             state["attention_weights"] = state["attention_weights"].detach()
         return state
+
+    def _parameter(self, name):
+        # W_q and b_q are the weight and bias of the nn.Linear W_q; w_v is its own Linear's weight
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]).bias
+        return getattr(self, name).weight
+
+    def _assign(self, name, value):
+        param = self._parameter(name)
+        with torch.no_grad():
+            param.copy_(torch.from_numpy(value).reshape(param.shape))
+
+    def _dropout_now(self):
+        return self.dropout if self.training and self.dropout.p > 0 else None
 
 
 class DotProductAttention(_Layer):
@@ -45,18 +60,15 @@ class DotProductAttention(_Layer):
         self.need_weights = need_weights  # False: fused SDPA kernel, attention_weights stays None
         self.attention_weights: Optional[torch.Tensor] = None
 
-    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
-        dropout = self.dropout if self.training and self.dropout.p > 0 else None
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, dropout, self.need_weights
+            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights, attention_mask, causal
         )
         return out
 
 
-class AdditiveAttention(CanonicalWeightsMixin, _Layer):
+class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
-
-    _stored_in_out = False
 
     def __init__(
         self,
@@ -78,15 +90,56 @@ class AdditiveAttention(CanonicalWeightsMixin, _Layer):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[torch.Tensor] = None
 
-    def _write_weights(self, weights: CanonicalWeights) -> None:
-        with torch.no_grad():
-            for key, value in weights.items():
-                param = getattr(self, key).weight
-                param.copy_(torch.from_numpy(value).reshape(param.shape))
+    def _w_v(self):
+        return self.w_v.weight[0]
 
-    def _stored_weights(self):
-        return self.W_q.weight, self.W_k.weight, self.w_v.weight[0]  # W_q, W_k stored (out, in); w_v (h,)
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._additive(
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+        )
+        return out
 
-    def forward(self, queries, keys, values, valid_lens=None) -> torch.Tensor:
-        out, self.attention_weights = self._additive(queries, keys, values, valid_lens, self.dropout)
+
+class MultiHeadAttention(MultiHeadWeights, _Layer):
+    """Multi-head attention (d2l 11.5): W_q, W_k, W_v, W_o as ``nn.Linear`` (d2l's names, so
+    its state_dict loads), heads of num_hiddens / num_heads contiguous columns.
+
+    ``attention_weights``: (batch, num_heads, queries, keys) before dropout; d2l keeps
+    (batch * num_heads, queries, keys), which is ``attention_weights.reshape(-1, Q, K)``.
+    ``need_weights=False``: the fused SDPA kernel, ``attention_weights`` stays None.
+    """
+
+    def __init__(
+        self,
+        num_hiddens: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = False,
+        *,
+        query_size: Optional[int] = None,
+        key_size: Optional[int] = None,
+        value_size: Optional[int] = None,
+        need_weights: bool = True,
+        device: Any = None,
+        dtype: Optional[torch.dtype] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        sizes = (query_size, key_size, value_size)
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias = bool(bias)
+        linear = dict(bias=self.bias, device=device, dtype=dtype)
+        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
+        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
+        self.W_v = nn.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.need_weights = need_weights
+        self.attention_weights: Optional[torch.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+        out, self.attention_weights = self._multi_head(
+            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights, attention_mask, causal
+        )
         return out
