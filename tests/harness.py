@@ -54,8 +54,21 @@ class Harness:
     def dot(self, dropout=0.0):
         return self.eval(self.module.DotProductAttention(dropout))
 
-    def call(self, layer, queries, keys, values, valid_lens=None):
-        return layer(queries, keys, values, valid_lens)
+    def multi_head(
+        self, num_hiddens, num_heads, dropout=0.0, bias=False, dtype="float32", weights=None, **kwargs
+    ):
+        """A MultiHeadAttention layer in dtype (kwargs: query_size, ..., need_weights)."""
+        layer = self._new_multi_head(num_hiddens, num_heads, dropout, bias, dtype, **kwargs)
+        if weights is not None:
+            layer.set_weights(weights)
+        return self.eval(layer)
+
+    def _new_multi_head(self, num_hiddens, num_heads, dropout, bias, dtype, **kwargs):
+        layer = self.module.MultiHeadAttention(num_hiddens, num_heads, dropout, bias, **kwargs)
+        return self.cast_layer(layer, dtype)
+
+    def call(self, layer, queries, keys, values, valid_lens=None, **masks):
+        return layer(queries, keys, values, valid_lens, **masks)
 
 
 class NumpyHarness(Harness):
@@ -97,11 +110,11 @@ class MxnetHarness(Harness):
         layer.cast(dtype)
         return layer
 
-    def call(self, layer, queries, keys, values, valid_lens=None):
+    def call(self, layer, queries, keys, values, valid_lens=None, **masks):
         if getattr(layer, "_harness_training", False):
             with importlib.import_module("mxnet").autograd.record():
-                return layer(queries, keys, values, valid_lens)
-        return layer(queries, keys, values, valid_lens)
+                return layer(queries, keys, values, valid_lens, **masks)
+        return layer(queries, keys, values, valid_lens, **masks)
 
 
 class TensorFlowHarness(Harness):
@@ -123,9 +136,12 @@ class TensorFlowHarness(Harness):
             layer.set_weights(weights)
         return self.eval(layer)
 
-    def call(self, layer, queries, keys, values, valid_lens=None):
+    def _new_multi_head(self, num_hiddens, num_heads, dropout, bias, dtype, **kwargs):
+        return self.module.MultiHeadAttention(num_hiddens, num_heads, dropout, bias, dtype=dtype, **kwargs)
+
+    def call(self, layer, queries, keys, values, valid_lens=None, **masks):
         training = getattr(layer, "_harness_training", False)
-        return layer(queries, keys, values, valid_lens, training=training)
+        return layer(queries, keys, values, valid_lens, training=training, **masks)
 
 
 class JaxHarness(Harness):
@@ -142,6 +158,12 @@ class JaxHarness(Harness):
             layer.set_weights(weights)
         return self.eval(layer)
 
+    def _new_multi_head(self, num_hiddens, num_heads, dropout, bias, dtype, **kwargs):
+        param_dtype = getattr(importlib.import_module("jax.numpy"), dtype)
+        return self.module.MultiHeadAttention(
+            num_hiddens, num_heads, dropout, bias, param_dtype=param_dtype, **kwargs
+        )
+
     def eval(self, layer):
         layer.eval()
         return layer
@@ -155,8 +177,8 @@ class _FunctionalLayer:
     """A stand-in for the layer classes of a backend that has none (array_api): the functional
     API with canonical weights, so that the matrix runs the same cases through it."""
 
-    def __init__(self, harness: "Harness", kind: str, dtype: str, weights=None) -> None:
-        self.harness, self.kind, self.dtype = harness, kind, dtype
+    def __init__(self, harness: "Harness", kind: str, dtype: str, weights=None, num_heads=None) -> None:
+        self.harness, self.kind, self.dtype, self.num_heads = harness, kind, dtype, num_heads
         self.weights = None if weights is None else {k: np.asarray(w) for k, w in weights.items()}
         self.attention_weights = None
 
@@ -166,16 +188,22 @@ class _FunctionalLayer:
     def set_weights(self, weights):
         self.weights = {k: np.asarray(w) for k, w in weights.items()}
 
-    def __call__(self, queries, keys, values, valid_lens=None):
+    def __call__(self, queries, keys, values, valid_lens=None, **masks):
         module = self.harness.module
         if self.kind == "dot":
             out, self.attention_weights = module.dot_product_attention(
-                queries, keys, values, valid_lens, return_weights=True
+                queries, keys, values, valid_lens, return_weights=True, **masks
             )
+            return out
+        tensors = {k: self.harness.tensor(w, self.dtype) for k, w in self.weights.items()}
+        if self.kind == "multi_head":
+            out, self.attention_weights = module.multi_head_attention(
+                queries, keys, values, valid_lens, weights=tensors, num_heads=self.num_heads,
+                return_weights=True, **masks,
+            )  # fmt: skip
         else:
-            tensors = {k: self.harness.tensor(w, self.dtype) for k, w in self.weights.items()}
             out, self.attention_weights = module.additive_attention(
-                queries, keys, values, valid_lens, return_weights=True, **tensors
+                queries, keys, values, valid_lens, return_weights=True, **tensors, **masks
             )
         return out
 
@@ -203,6 +231,19 @@ class ArrayApiHarness(Harness):
 
     def dot(self, dropout=0.0):
         return _FunctionalLayer(self, "dot", "float32")
+
+    def multi_head(
+        self, num_hiddens, num_heads, dropout=0.0, bias=False, dtype="float32", weights=None, **kwargs
+    ):
+        if weights is None:
+            rng = np.random.default_rng(0)
+            q, k, v = (kwargs.get(f"{n}_size") or num_hiddens for n in ("query", "key", "value"))
+            names = {"W_q": (num_hiddens, q), "W_k": (num_hiddens, k), "W_v": (num_hiddens, v)}
+            names["W_o"] = (num_hiddens, num_hiddens)
+            if bias:
+                names.update({f"b_{n}": (num_hiddens,) for n in "qkvo"})
+            weights = {name: rng.uniform(-0.5, 0.5, shape) for name, shape in names.items()}
+        return _FunctionalLayer(self, "multi_head", dtype, weights, num_heads)
 
 
 HARNESSES = {

@@ -69,7 +69,9 @@ def test_valid_lens_must_be_numbers(bk):
 
 
 def test_masked_softmax_needs_3d_with_lengths(bk):
-    with raises("X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when valid_lens is given, got shape (2, 5)"):
+    with raises(
+        "X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when valid_lens is given, got shape (2, 5)"
+    ):
         multiattn.masked_softmax(t(bk, 2, 5), bk.tensor(np.array([1, 2])))
 
 
@@ -165,3 +167,120 @@ def test_torch_tensors_given_to_the_default_numpy_layer():
         assert "multiattn.get_backend('numpy').from_numpy(multiattn.get_backend('torch').to_numpy(x))" in str(
             info.value
         )
+
+
+# -- masks and multi-head attention ---------------------------------------------------------
+
+
+def _mh_weights(bk, h=8, widths=(5, 3, 4), dtype="float32", **changes):
+    shapes = {"W_q": (h, widths[0]), "W_k": (h, widths[1]), "W_v": (h, widths[2]), "W_o": (h, h)}
+    shapes.update(changes)
+    return {name: bk.tensor(np.ones(shape) * 0.1, dtype) for name, shape in shapes.items() if shape}
+
+
+def _mh_inputs(bk, dtype="float32"):
+    return t(bk, 2, 3, 5, dtype=dtype), t(bk, 2, 4, 3, dtype=dtype), t(bk, 2, 4, 4, dtype=dtype)
+
+
+def test_num_heads_must_divide_num_hiddens(bk):
+    message = (
+        "num_hiddens (8) must be divisible by num_heads (3): each head takes num_hiddens / num_heads columns"
+    )
+    with raises(message):
+        bk.module.multi_head_attention(*_mh_inputs(bk), weights=_mh_weights(bk), num_heads=3)
+    with raises("num_heads must be a positive integer, got 0"):
+        bk.module.multi_head_attention(*_mh_inputs(bk), weights=_mh_weights(bk), num_heads=0)
+    if bk.has_layers:
+        with raises(message):
+            bk.module.MultiHeadAttention(8, 3)
+        with raises("value_size must be a positive integer, got 0"):
+            bk.module.MultiHeadAttention(8, 2, value_size=0)
+
+
+def test_a_float_mask_is_refused(bk):
+    q, k, v = t(bk, 2, 3, 4), t(bk, 2, 5, 4), t(bk, 2, 5, 2)
+    mask = t(bk, 2, 3, 5)
+    message = "attention_mask must be boolean (True: may attend) or integer 0/1, got dtype float32"
+    for call in (
+        lambda: multiattn.masked_softmax(t(bk, 2, 3, 5), attention_mask=mask),
+        lambda: multiattn.dot_product_attention(q, k, v, attention_mask=mask),
+        lambda: bk.module.multi_head_attention(
+            *_mh_inputs(bk), weights=_mh_weights(bk), num_heads=2, attention_mask=mask
+        ),
+    ):
+        with pytest.raises(multiattn.InputDtypeError, match=re.escape(message)):
+            call()
+
+
+def test_a_mask_that_does_not_broadcast_names_both_shapes(bk):
+    q, k, v = t(bk, 2, 3, 4), t(bk, 2, 5, 4), t(bk, 2, 5, 2)
+    mask = bk.tensor(np.ones((2, 4), dtype=bool))
+    with raises(
+        "attention_mask of shape (2, 4) does not broadcast to the scores' shape (2, 3, 5) (batch, queries, keys)"
+    ):
+        bk.call(bk.dot(), q, k, v, attention_mask=mask)
+    with raises("attention_mask of shape (2, 4) does not broadcast to the scores' shape (2, 3, 5)"):
+        multiattn.masked_softmax(t(bk, 2, 3, 5), attention_mask=mask)
+    head_mask = bk.tensor(np.ones((2, 3, 3, 4), dtype=bool))  # 3 heads, the layer has 2
+    with raises(
+        "attention_mask of shape (2, 3, 3, 4) does not broadcast to the scores' shape (2, 2, 3, 4) "
+        "(batch, heads, queries, keys)"
+    ):
+        bk.module.multi_head_attention(
+            *_mh_inputs(bk), weights=_mh_weights(bk), num_heads=2, attention_mask=head_mask
+        )
+
+
+def test_causal_must_be_a_bool(bk):
+    with pytest.raises(TypeError, match=re.escape("causal must be True or False, got 'yes'")):
+        multiattn.masked_softmax(t(bk, 2, 3, 5), causal="yes")
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (
+            {"W_o": None},
+            "weights must have exactly the keys W_q, W_k, W_v, W_o; missing ['W_o'], unknown none",
+        ),
+        (
+            {"W_x": (8, 8)},
+            "weights must have exactly the keys W_q, W_k, W_v, W_o; missing none, unknown ['W_x']",
+        ),
+        ({"b_q": (8,)}, "weights must have exactly the keys W_q, W_k, W_v, W_o, b_q, b_k, b_v, b_o; missing"),
+        ({"W_k": (8, 4)}, "weights['W_k'] must have shape (8, 3), got (8, 4)"),
+        ({"W_o": (8, 4)}, "weights['W_o'] must have shape (8, 8), got (8, 4)"),
+    ],
+)
+def test_multi_head_weights_name_the_bad_key(bk, changes, message):
+    with raises(message):
+        bk.module.multi_head_attention(*_mh_inputs(bk), weights=_mh_weights(bk, **changes), num_heads=2)
+
+
+def test_multi_head_weights_in_another_dtype(bk):
+    if "float64" not in bk.dtypes:
+        pytest.xfail(f"{bk.name} has no float64")
+    weights = _mh_weights(bk)
+    weights["W_v"] = bk.tensor(np.ones((8, 4)), "float64")
+    with pytest.raises(
+        multiattn.InputDtypeError,
+        match=re.escape("weights['W_v'] must have the dtype of queries (float32), got float64"),
+    ):
+        bk.module.multi_head_attention(*_mh_inputs(bk), weights=weights, num_heads=2)
+
+
+@pytest.mark.layers
+def test_multi_head_layer_weights_name_the_bad_key(bk):
+    layer = bk.module.MultiHeadAttention(8, 2, query_size=5, key_size=3, value_size=4)
+    good = {
+        name: np.ones(shape)
+        for name, shape in {"W_q": (8, 5), "W_k": (8, 3), "W_v": (8, 4), "W_o": (8, 8)}.items()
+    }
+    with raises("weights['W_v'] must have shape (8, 4), got (4, 8)"):
+        layer.set_weights(dict(good, W_v=np.ones((4, 8))))
+    with raises("weights must have exactly the keys W_q, W_k, W_v, W_o; missing none, unknown ['b_q']"):
+        layer.set_weights(dict(good, b_q=np.ones(8)))
+    with raises("queries must have width query_size=5, got shape (2, 3, 4)"):
+        bk.call(layer, t(bk, 2, 3, 4), t(bk, 2, 4, 3), t(bk, 2, 4, 4))
+    with raises("values must have width value_size=4, got shape (2, 4, 3)"):
+        bk.call(layer, t(bk, 2, 3, 5), t(bk, 2, 4, 3), t(bk, 2, 4, 3))

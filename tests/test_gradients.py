@@ -134,3 +134,109 @@ def test_masked_and_fully_masked_rows_get_exactly_zero_gradient(bk, dtype):
         g = np.asarray(bk.numpy(g), dtype=np.float64)
         assert not np.isnan(g).any()
         assert (g[0] == 0).all(), "a fully masked batch element must get zero gradients"
+
+
+# -- boolean masks, causality and multi-head attention --------------------------------------
+
+_MASK = np.random.default_rng(4).random((2, 3, 5)) < 0.6
+_MASK[1, 2] = False  # a fully masked row
+MASK_CASES = {
+    "bool_mask": dict(attention_mask=_MASK),
+    "causal": dict(causal=True),
+    "lengths+mask+causal": dict(
+        valid_lens=np.array([[2, 0, 9], [5, -1, 3]]), attention_mask=_MASK, causal=True
+    ),
+}
+MULTI_HEAD = dict(heads=2, h=4)
+
+
+def _masked_inputs(function):
+    if function != "multi_head":
+        return _inputs(function)
+    rng = np.random.default_rng(22)
+    B, Q, K, d, k, v, _ = SHAPE.values()
+    h = MULTI_HEAD["h"]
+    inputs = {
+        "queries": rng.normal(size=(B, Q, d)),
+        "keys": rng.normal(size=(B, K, k)),
+        "values": rng.normal(size=(B, K, v)),
+    }
+    for name, width in (("W_q", d), ("W_k", k), ("W_v", v), ("W_o", h)):
+        inputs[name] = rng.normal(size=(h, width)) * 0.5
+    return inputs, rng.normal(size=(B, Q, h))
+
+
+def _masked_reference(function, masks):
+    masks = dict(masks)
+    lens = masks.pop("valid_lens", None)
+    if function == "masked_softmax":
+        return lambda X: ref.masked_softmax(X, lens, **masks)
+    if function == "dot_product":
+        return lambda queries, keys, values: ref.dot_product_attention(queries, keys, values, lens, **masks)[
+            0
+        ]
+    if function == "additive":
+        return lambda queries, keys, values, W_q, W_k, w_v: ref.additive_attention(
+            queries, keys, values, lens, W_q, W_k, w_v, **masks
+        )[0]
+    return lambda queries, keys, values, **weights: ref.multi_head_attention(
+        queries, keys, values, lens, weights, MULTI_HEAD["heads"], **masks
+    )[0]
+
+
+@functools.lru_cache(maxsize=None)
+def masked_finite_differences(function, case):
+    inputs, cotangent = _masked_inputs(function)
+    fn = _masked_reference(function, MASK_CASES[case])
+    step, grads = 1e-6, {}
+    for name, array in inputs.items():
+        grad = np.zeros_like(array)
+        for idx in np.ndindex(array.shape):
+            for sign in (1, -1):
+                shifted = dict(inputs, **{name: array.copy()})
+                shifted[name][idx] += sign * step
+                grad[idx] += sign * float(np.sum(fn(**shifted) * cotangent))
+        grads[name] = grad / (2 * step)
+    return grads
+
+
+def masked_backend_grads(bk, function, case, dtype):
+    inputs, cotangent = _masked_inputs(function)
+    masks = dict(MASK_CASES[case])
+    lens = masks.pop("valid_lens", None)
+    lens = None if lens is None else bk.tensor(lens)
+    if "attention_mask" in masks:
+        masks["attention_mask"] = bk.tensor(masks["attention_mask"])
+    names = list(inputs)
+    module = bk.module
+    fns = {
+        "masked_softmax": lambda X: module.masked_softmax(X, lens, **masks),
+        "dot_product": lambda q, k, v: module.dot_product_attention(q, k, v, lens, **masks),
+        "additive": lambda q, k, v, W_q, W_k, w_v: module.additive_attention(
+            q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, **masks
+        ),
+        "multi_head": lambda q, k, v, *weights: module.multi_head_attention(
+            q, k, v, lens, weights=dict(zip(names[3:], weights)), num_heads=MULTI_HEAD["heads"], **masks
+        ),
+    }
+    tensors = [bk.tensor(inputs[n], dtype) for n in names]
+    _, grads = module.vjp(fns[function], tensors, bk.tensor(cotangent, dtype))
+    return {n: np.asarray(bk.numpy(g), dtype=np.float64) for n, g in zip(names, grads)}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("case", list(MASK_CASES))
+@pytest.mark.parametrize("function", ["masked_softmax", "dot_product", "additive", "multi_head"])
+def test_gradients_with_masks_match_finite_differences(bk, function, case, dtype, monkeypatch):
+    needs_autodiff(bk)
+    if hasattr(bk.module, "FUSED_ON_CPU"):  # the fused kernel's gradients, also on CPU
+        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
+    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    got = masked_backend_grads(bk, function, case, dtype)
+    want = masked_finite_differences(function, case)
+    tol = max(tolerance(bk.name, dtype) * 10, 1e-7)
+    for name in want:
+        scale = max(1.0, float(np.abs(want[name]).max()))
+        err = float(np.abs(got[name] - want[name]).max())
+        assert not np.isnan(got[name]).any(), f"NaN in the gradient of {name}"
+        assert err <= tol * scale, f"gradient of {name}: max abs error {err:.3g} > {tol * scale:.3g}"

@@ -148,3 +148,145 @@ def test_additive_scores_in_blocks_equal_the_reference(
         bk.numpy(q), bk.numpy(k), bk.numpy(v), lens, stored["W_q"], stored["W_k"], stored["w_v"]
     )[0]
     assert_close(bk, out, want, dtype)
+
+
+# -- masks beside the lengths, and multi-head attention (d2l 11.5) -------------------------
+
+MASK_KINDS = ["bool_mask", "int_mask", "padding_mask", "causal", "lengths+mask+causal"]
+
+
+def mask_args(bk, kind, batch, n_queries, n_keys, rng, heads=None):
+    """(the masks as tensors, the same as numpy for the reference) for one kind of mask; every
+    kind with a mask has a fully masked row.  heads: also a per-head mask (multi-head)."""
+    lens = mask = None
+    causal = "causal" in kind
+    if kind in ("1d", "2d"):
+        lens = lengths(kind, batch, n_queries, n_keys, rng)
+    elif kind in ("bool_mask", "lengths+mask+causal"):
+        mask = rng.random((batch, n_queries, n_keys)) < 0.6
+        mask[-1, -1] = False
+        if kind == "lengths+mask+causal":
+            lens = lengths("2d", batch, n_queries, n_keys, rng)
+    elif kind == "int_mask":  # (Q, K) 0/1, shared by the batch
+        mask = (rng.random((n_queries, n_keys)) < 0.7).astype("int32")
+        mask[0] = 0
+    elif kind == "padding_mask":  # (B, 1, K), as from a padding mask of the keys
+        mask = rng.random((batch, 1, n_keys)) < 0.7
+        mask[0] = False
+    elif kind == "head_mask":
+        mask = rng.random((batch, heads, n_queries, n_keys)) < 0.6
+        mask[0, -1, 0] = False
+    tensors = dict(attention_mask=None if mask is None else bk.tensor(mask), causal=causal)
+    return as_lens(bk, lens), tensors, dict(valid_lens=lens, attention_mask=mask, causal=causal)
+
+
+MASK_SHAPES = [(2, 3, 5, 4, 3, 3), (3, 6, 4, 4, 2, 4)]  # queries > keys: causal rows see all
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES, ids=["2x3x5", "3x6x4"])
+@pytest.mark.parametrize("mask", MASK_KINDS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_masks_on_every_function(bk, dtype, mask, shape):
+    """masked_softmax, dot-product and additive attention, functions and layers, with boolean
+    and integer masks and causality, alone and with lengths (AND), against the reference."""
+    supported(bk, dtype)
+    B, Q, K, d, k_width, v_width = shape
+    rng = np.random.default_rng(7)
+    lens, masks, np_masks = mask_args(bk, mask, B, Q, K, rng)
+    X = bk.tensor(rng.normal(size=(B, Q, K)) * 3, dtype)
+    got = multiattn.masked_softmax(X, lens, **masks)
+    assert_close(bk, got, ref.masked_softmax(bk.numpy(X), **np_masks), dtype)
+
+    q, k, v, _, _ = inputs(bk, dtype, shape, "none", seed=8)
+    want_out, want_w = ref.dot_product_attention(bk.numpy(q), bk.numpy(k), bk.numpy(v), **np_masks)
+    layer = bk.dot()
+    assert_close(bk, bk.call(layer, q, k, v, lens, **masks), want_out, dtype)
+    assert_close(bk, layer.attention_weights, want_w, dtype)
+    assert_close(bk, multiattn.dot_product_attention(q, k, v, lens, **masks), want_out, dtype)
+
+    q, k, v, _, _ = inputs(bk, dtype, shape, "none", seed=9, additive=True)
+    weights = {
+        "W_q": rng.normal(size=(6, d)),
+        "W_k": rng.normal(size=(6, k_width)),
+        "w_v": rng.normal(size=(6,)),
+    }
+    layer = bk.additive(k_width, d, 6, dtype=dtype, weights=weights)
+    stored = layer.get_weights()
+    want_out, want_w = ref.additive_attention(
+        bk.numpy(q), bk.numpy(k), bk.numpy(v), np_masks.pop("valid_lens"), stored["W_q"], stored["W_k"],
+        stored["w_v"], **np_masks,
+    )  # fmt: skip
+    assert_close(bk, bk.call(layer, q, k, v, lens, **masks), want_out, dtype)
+    assert_close(bk, layer.attention_weights, want_w, dtype)
+
+
+MULTI_HEAD_MASKS = ["none", "1d", "2d", "bool_mask", "int_mask", "head_mask", "causal", "lengths+mask+causal"]
+# (batch, queries, keys, query width, key width, value width, num_hiddens, heads, bias)
+MULTI_HEAD_SHAPES = [
+    (2, 3, 5, 5, 3, 4, 8, 2, False),
+    (3, 4, 4, 8, 8, 8, 8, 4, True),
+    (1, 1, 1, 2, 2, 2, 4, 1, True),
+]
+
+
+def multi_head_case(bk, dtype, shape, rng):
+    B, Q, K, q_width, k_width, v_width, h, heads, bias = shape
+    q = bk.tensor(rng.normal(size=(B, Q, q_width)), dtype)
+    k = bk.tensor(rng.normal(size=(B, K, k_width)), dtype)
+    v = bk.tensor(rng.normal(size=(B, K, v_width)), dtype)
+    weights = {
+        "W_q": rng.normal(size=(h, q_width)) * 0.5, "W_k": rng.normal(size=(h, k_width)) * 0.5,
+        "W_v": rng.normal(size=(h, v_width)) * 0.5, "W_o": rng.normal(size=(h, h)) * 0.5,
+    }  # fmt: skip
+    if bias:
+        weights.update({f"b_{n}": rng.normal(size=(h,)) for n in "qkvo"})
+    sizes = dict(query_size=q_width, key_size=k_width, value_size=v_width)
+    return q, k, v, weights, sizes
+
+
+@pytest.mark.parametrize("shape", MULTI_HEAD_SHAPES, ids=["2x3x5-h8x2", "3x4x4-h8x4-bias", "1x1x1-h4x1-bias"])
+@pytest.mark.parametrize("mask", MULTI_HEAD_MASKS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_head_attention(bk, dtype, mask, shape):
+    """The layer (with and without weights), the functional form with the same canonical
+    weights, against the reference's multi-head attention."""
+    supported(bk, dtype)
+    B, Q, K, *_, h, heads, bias = shape
+    rng = np.random.default_rng(10)
+    q, k, v, weights, sizes = multi_head_case(bk, dtype, shape, rng)
+    lens, masks, np_masks = mask_args(bk, mask, B, Q, K, rng, heads=heads)
+    layer = bk.multi_head(h, heads, bias=bias, dtype=dtype, weights=weights, **sizes)
+    stored = layer.get_weights()  # rounded to the layer's dtype
+    want_out, want_w = ref.multi_head_attention(
+        bk.numpy(q), bk.numpy(k), bk.numpy(v), np_masks.pop("valid_lens"), stored, heads, **np_masks
+    )
+    assert_close(bk, bk.call(layer, q, k, v, lens, **masks), want_out, dtype)
+    assert_close(bk, layer.attention_weights, want_w, dtype)
+    tensors = {name: bk.tensor(w, dtype) for name, w in stored.items()}
+    got = multiattn.multi_head_attention(q, k, v, lens, weights=tensors, num_heads=heads, **masks)
+    assert_close(bk, got, want_out, dtype)
+    if bk.has_layers:
+        fast = bk.multi_head(h, heads, bias=bias, dtype=dtype, weights=weights, need_weights=False, **sizes)
+        assert_close(bk, bk.call(fast, q, k, v, lens, **masks), want_out, dtype)
+        assert fast.attention_weights is None
+
+
+@pytest.mark.parametrize("mask", ["1d", "lengths+mask+causal"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_multi_head_fused_kernel(bk, dtype, mask, monkeypatch):
+    """need_weights=False with the fused kernel forced even at this size (where there is one)."""
+    supported(bk, dtype)
+    if hasattr(bk.module, "FUSED_ON_CPU"):
+        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
+    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    shape = MULTI_HEAD_SHAPES[1]
+    rng = np.random.default_rng(11)
+    q, k, v, weights, _ = multi_head_case(bk, dtype, shape, rng)
+    lens, masks, np_masks = mask_args(bk, mask, *shape[:3], rng, heads=shape[7])
+    tensors = {name: bk.tensor(w, dtype) for name, w in weights.items()}
+    rounded = {name: bk.numpy(t).astype(np.float64) for name, t in tensors.items()}
+    got = bk.module.multi_head_attention(q, k, v, lens, weights=tensors, num_heads=shape[7], **masks)
+    want = ref.multi_head_attention(
+        bk.numpy(q), bk.numpy(k), bk.numpy(v), np_masks.pop("valid_lens"), rounded, shape[7], **np_masks
+    )[0]
+    assert_close(bk, got, want, dtype)

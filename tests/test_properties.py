@@ -94,3 +94,54 @@ def test_masked_softmax_matches_the_reference(bk, problem):
     )
     tol = tolerance(bk.name, "float64") * 10
     np.testing.assert_allclose(got, ref.masked_softmax(X, lens), rtol=tol, atol=tol)
+
+
+@st.composite
+def masked_problems(draw):
+    """A problem with any of: lengths, a boolean mask of any broadcastable shape, causality."""
+    (q, k, v), lens = draw(problems())
+    B, Q, K = q.shape[0], q.shape[1], k.shape[1]
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    mask_shape = draw(st.sampled_from([None, (B, Q, K), (Q, K), (B, 1, K), (K,), (1, Q, 1)]))
+    mask = None if mask_shape is None else rng.random(mask_shape) < draw(st.sampled_from([0.2, 0.6, 1.0]))
+    return (q, k, v), dict(valid_lens=lens, attention_mask=mask, causal=draw(st.booleans()))
+
+
+def _visible(masks, B, Q, K):
+    """The AND of the masks, spelled out: what the documentation promises."""
+    visible = np.ones((B, Q, K), dtype=bool)
+    n_valid = _valid(masks["valid_lens"], B, Q, K)
+    visible &= np.arange(K)[None, None, :] < n_valid[:, :, None]
+    if masks["attention_mask"] is not None:
+        visible &= masks["attention_mask"]
+    if masks["causal"]:
+        visible &= np.arange(K)[None, :] <= np.arange(Q)[:, None]
+    return visible
+
+
+@SETTINGS
+@given(problem=masked_problems())
+def test_masks_combine_with_and_and_equal_one_boolean_mask(bk, problem):
+    """Lengths, mask and causality give the weights of the one mask that is their AND: a
+    distribution over the visible keys, exactly 0 elsewhere and in rows with none visible."""
+    (q, k, v), masks = problem
+    B, Q, K = q.shape[0], q.shape[1], k.shape[1]
+    tensors = [bk.tensor(a, "float64") for a in (q, k, v)]
+    given_masks = dict(
+        attention_mask=None if masks["attention_mask"] is None else bk.tensor(masks["attention_mask"]),
+        causal=masks["causal"],
+    )
+    lens = None if masks["valid_lens"] is None else bk.tensor(masks["valid_lens"])
+    out, weights = multiattn.dot_product_attention(*tensors, lens, return_weights=True, **given_masks)
+    visible = _visible(masks, B, Q, K)
+    one_out, one_weights = multiattn.dot_product_attention(
+        *tensors, attention_mask=bk.tensor(visible), return_weights=True
+    )
+    weights = bk.numpy(weights)
+    tol = tolerance(bk.name, "float64") * 10
+    assert (weights[~visible] == 0).all() and (weights >= 0).all()
+    sums = weights.sum(-1)
+    np.testing.assert_allclose(sums, visible.any(-1).astype(float), atol=tol)
+    np.testing.assert_allclose(weights, bk.numpy(one_weights), rtol=tol, atol=tol)
+    np.testing.assert_allclose(bk.numpy(out), bk.numpy(one_out), rtol=tol, atol=tol)
+    assert (bk.numpy(out)[~visible.any(-1)] == 0).all()  # rows with nothing visible: exactly 0
