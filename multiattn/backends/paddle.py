@@ -40,6 +40,7 @@ _KERNELS = {
     "masked_softmax": "where (the masking)",
     "dot_product": "matmul and where",
     "additive": "matmul, tanh and where",
+    "multi_head": "matmul and where",
 }
 DTYPE_NOTES = {
     dtype: {f: _NO_HALF.format(k) for f, k in _KERNELS.items()} for dtype in ("float16", "bfloat16")

@@ -14,13 +14,30 @@ import numpy as np
 
 from .. import reference
 
-FUNCTIONS = ("masked_softmax", "dot_product", "additive")
-MASKS = ("none", "1d", "2d")
+FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head")
+MASKS = ("none", "1d", "2d", "mask", "causal", "all")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 GRAD_DTYPES = ("float32", "float64")  # gradients are checked where they are meaningful
 BATCH, QUERIES, KEYS, WIDTH, KEY_WIDTH, VALUE_WIDTH, HIDDENS = 2, 3, 5, 4, 3, 3, 6
+MULTI_HEAD_HIDDENS, NUM_HEADS = 4, 2  # multi-head attention: 2 heads of 2 columns, with biases
 # Lengths with a fully masked row, a negative and an over-long length.
 LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
+# A boolean mask (True: may attend) with a fully masked row, alone and with lengths and causality.
+MASK = np.array(
+    [
+        [[1, 0, 1, 1, 0], [0, 0, 0, 0, 0], [1, 1, 0, 0, 1]],
+        [[0, 1, 1, 0, 1], [1, 1, 1, 1, 1], [0, 0, 1, 0, 0]],
+    ],
+    dtype=bool,
+)
+MASK_ARGS = {
+    "none": (None, None, False),
+    "1d": (LENGTHS["1d"], None, False),
+    "2d": (LENGTHS["2d"], None, False),
+    "mask": (None, MASK, False),
+    "causal": (None, None, True),
+    "all": (LENGTHS["2d"], MASK, True),
+}
 
 # Max abs error allowed, relative to max(1, largest reference magnitude).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}
@@ -51,6 +68,8 @@ class Case:
     inputs: Dict[str, np.ndarray]  # name -> float64 values representable in dtype
     valid_lens: Optional[np.ndarray]
     cotangent: np.ndarray
+    attention_mask: Optional[np.ndarray] = None
+    causal: bool = False
     expected: Dict = field(default_factory=dict)  # the reference: out, weights, grads
 
     @property
@@ -75,10 +94,16 @@ def make_cases(seed: int = 0) -> list:
         "W_k": rng.normal(size=(HIDDENS, KEY_WIDTH)) * 0.5,
         "w_v": rng.normal(size=(HIDDENS,)),
     }
+    h = MULTI_HEAD_HIDDENS
+    for name, width in (("W_q", WIDTH), ("W_k", KEY_WIDTH), ("W_v", VALUE_WIDTH), ("W_o", h)):
+        raw["multi_head_" + name] = rng.normal(size=(h, width)) * 0.5
+    for name in ("b_q", "b_k", "b_v", "b_o"):
+        raw["multi_head_" + name] = rng.normal(size=(h,)) * 0.5
     cotangents = {
         "masked_softmax": rng.normal(size=(BATCH, QUERIES, KEYS)),
         "dot_product": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
         "additive": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
+        "multi_head": rng.normal(size=(BATCH, QUERIES, MULTI_HEAD_HIDDENS)),
     }
     names = {
         "masked_softmax": {"X": "X"},
@@ -91,33 +116,40 @@ def make_cases(seed: int = 0) -> list:
             "W_k": "W_k",
             "w_v": "w_v",
         },
+        "multi_head": {
+            "queries": "queries",
+            "keys": "additive_keys",
+            "values": "values",
+            **{n: "multi_head_" + n for n in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")},
+        },
     }
     cases = []
     for function in FUNCTIONS:
         for dtype in DTYPES:
             for mask in MASKS:
                 inputs = {arg: round_to(raw[src], dtype) for arg, src in names[function].items()}
-                case = Case(function, mask, dtype, inputs, LENGTHS[mask], cotangents[function])
+                lens, attention_mask, causal = MASK_ARGS[mask]
+                case = Case(function, mask, dtype, inputs, lens, cotangents[function], attention_mask, causal)
                 case.expected = expected(case)
                 cases.append(case)
     return cases
 
 
 def expected(case: Case) -> dict:
-    args = case.inputs
+    args, masks = case.inputs, dict(attention_mask=case.attention_mask, causal=case.causal)
     if case.function == "masked_softmax":
-        return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent)
+        return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent, **masks)
     if case.function == "dot_product":
         return reference.dot_product_attention(
-            args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent
+            args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent, **masks
         )
+    if case.function == "multi_head":
+        weights = {name: value for name, value in args.items() if name not in ("queries", "keys", "values")}
+        return reference.multi_head_attention(
+            args["queries"], args["keys"], args["values"], case.valid_lens, weights, NUM_HEADS,
+            case.cotangent, **masks,
+        )  # fmt: skip
     return reference.additive_attention(
-        args["queries"],
-        args["keys"],
-        args["values"],
-        case.valid_lens,
-        args["W_q"],
-        args["W_k"],
-        args["w_v"],
-        case.cotangent,
-    )
+        args["queries"], args["keys"], args["values"], case.valid_lens,
+        args["W_q"], args["W_k"], args["w_v"], case.cotangent, **masks,
+    )  # fmt: skip

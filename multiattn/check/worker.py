@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict
 import numpy as np
 
 from .._registry import BACKENDS, get_backend
-from .cases import Case, make_cases
+from .cases import NUM_HEADS, Case, make_cases
 
 
 def framework_version(name: str) -> str:
@@ -26,32 +26,49 @@ def framework_version(name: str) -> str:
 def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     tensors = {arg: module.from_numpy(value, case.dtype) for arg, value in case.inputs.items()}
     lens = None if case.valid_lens is None else module.from_numpy(case.valid_lens)
+    mask = None if case.attention_mask is None else module.from_numpy(case.attention_mask)
+    masks = dict(attention_mask=mask, causal=case.causal)
 
     run: Callable[..., Any]
+    fast: Callable[..., Any] = None  # the no-weights path (fused kernels), which must agree too
+    order = list(case.inputs)
     if case.function == "masked_softmax":
-        order = ["X"]
 
         def run(X):
-            weights = module.masked_softmax(X, lens)
+            weights = module.masked_softmax(X, lens, **masks)
             return weights, weights
 
     elif case.function == "dot_product":
-        order = ["queries", "keys", "values"]
 
         def run(q, k, v):
-            return module.dot_product_attention(q, k, v, lens, return_weights=True)
+            return module.dot_product_attention(q, k, v, lens, return_weights=True, **masks)
+
+        def fast(q, k, v):
+            return module.dot_product_attention(q, k, v, lens, **masks)
+
+    elif case.function == "multi_head":
+
+        def run(q, k, v, *weights, return_weights=True):
+            return module.multi_head_attention(
+                q, k, v, lens, weights=dict(zip(order[3:], weights)), num_heads=NUM_HEADS,
+                return_weights=return_weights, **masks,
+            )  # fmt: skip
+
+        def fast(*args):
+            return run(*args, return_weights=False)
 
     else:
-        order = ["queries", "keys", "values", "W_q", "W_k", "w_v"]
 
         def run(q, k, v, W_q, W_k, w_v):
-            return module.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=True)
+            return module.additive_attention(
+                q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=True, **masks
+            )
 
     args = [tensors[a] for a in order]
     out, weights = run(*args)
     result: Dict[str, Any] = {"out": module.to_numpy(out), "weights": module.to_numpy(weights)}
-    if case.function == "dot_product":  # the no-weights fast path (fused kernels) must agree too
-        result["fast"] = module.to_numpy(module.dot_product_attention(*args, lens))
+    if fast is not None:
+        result["fast"] = module.to_numpy(fast(*args))
     if case.wants_grads and module.vjp is not None:
         cotangent = module.from_numpy(case.cotangent, case.dtype)
         _, grads = module.vjp(lambda *xs: run(*xs)[0], args, cotangent)
