@@ -70,7 +70,8 @@ def test_valid_lens_must_be_numbers(bk):
 
 def test_masked_softmax_needs_3d_with_lengths(bk):
     with raises(
-        "X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when valid_lens is given, got shape (2, 5)"
+        "X must be 3-D (batch, queries, keys) or 4-D (batch, heads, queries, keys) when valid_lens is "
+        "given, got shape (2, 5)"
     ):
         multiattn.masked_softmax(t(bk, 2, 5), bk.tensor(np.array([1, 2])))
 
@@ -216,7 +217,8 @@ def test_a_mask_that_does_not_broadcast_names_both_shapes(bk):
     q, k, v = t(bk, 2, 3, 4), t(bk, 2, 5, 4), t(bk, 2, 5, 2)
     mask = bk.tensor(np.ones((2, 4), dtype=bool))
     with raises(
-        "attention_mask of shape (2, 4) does not broadcast to the scores' shape (2, 3, 5) (batch, queries, keys)"
+        "attention_mask of shape (2, 4) does not broadcast to the scores' shape (2, 3, 5) "
+        "(batch, queries, keys)"
     ):
         bk.call(bk.dot(), q, k, v, attention_mask=mask)
     with raises("attention_mask of shape (2, 4) does not broadcast to the scores' shape (2, 3, 5)"):

@@ -10,14 +10,42 @@ from pathlib import Path
 from multiattn import BACKENDS
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-BLOCKS = {
-    m.group(1): m.group(0)[len("```python\n") : -3]
-    for m in re.finditer(r"```python\n# backend: (\w+).*?```", README.read_text(), re.S)
-}
+MULTI_HEAD = README.parent / "docs" / "multihead.md"
+
+
+def _blocks(path: Path) -> dict:
+    return {
+        m.group(1): m.group(0)[len("```python\n") : -3]
+        for m in re.finditer(r"```python\n# backend: (\w+).*?```", path.read_text(), re.S)
+    }
+
+
+BLOCKS, MULTI_HEAD_BLOCKS = _blocks(README), _blocks(MULTI_HEAD)
 
 
 def test_every_backend_has_a_quick_start():
     assert sorted(BLOCKS) == sorted(BACKENDS)
+    assert sorted(MULTI_HEAD_BLOCKS) == sorted(BACKENDS)
+
+
+def _numbers(text: str) -> list:
+    return [round(float(x), 3) for x in re.findall(r"-?\d+(?:\.\d*)?(?:e[-+]?\d+)?", text)]
+
+
+def test_multi_head_quick_start_runs(bk):
+    """Each framework's multi-head quick start prints the book's output, twice (lengths, then
+    the same as a boolean mask; array_api: then causal), and the weights' shape."""
+    result = subprocess.run(
+        [sys.executable, "-c", MULTI_HEAD_BLOCKS[bk.name]], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout.split("[[[")
+    assert _numbers(printed[1])[:8] == [2, 3, 4, 5, 10, 11, 12, 13], result.stdout
+    if bk.name == "array_api":
+        assert _numbers(printed[2])[:8] == [0, 1, 2, 3, 0, 1, 2, 3], result.stdout
+        return
+    assert "(2, 2, 1, 10)" in result.stdout or "[2, 2, 1, 10]" in result.stdout, result.stdout
+    assert _numbers(printed[2])[:8] == [2, 3, 4, 5, 10, 11, 12, 13], result.stdout
 
 
 def test_quick_start_runs(bk):
