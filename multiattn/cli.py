@@ -62,10 +62,54 @@ def _finish(results: Dict[str, dict], seed: int, args: argparse.Namespace) -> in
 def cmd_check(args: argparse.Namespace) -> int:
     from .check import installed_backends, run_check
 
+    if args.against:
+        return cmd_against(args)
+    if args.kind or args.backend or args.skip_fully_masked or args.dtypes:
+        raise ValueError(
+            "--kind, --backend, --dtypes and --skip-fully-masked go with --against MODULE:FUNCTION"
+        )
     backends = args.backends or installed_backends()
     _progress(f"multiattn {__version__}: checking {', '.join(backends)} (seed {args.seed})")
     results = run_check(backends, seed=args.seed, in_process=args.in_process, progress=_progress)
     return _finish(results, args.seed, args)
+
+
+def cmd_against(args: argparse.Namespace) -> int:
+    """`check --against MODULE:FUNCTION --kind KIND --backend NAME`: the user's function."""
+    from .check import build_rows, render, run_against, save_json
+    from .check.against import KINDS, cases_for
+
+    if not args.kind or not args.backend:
+        raise ValueError(f"--against needs --kind (one of {', '.join(KINDS)}) and --backend (its framework)")
+    if args.backends:
+        raise ValueError("--against checks one function on one framework: use --backend NAME, not --backends")
+    backend = _backend_list(args.backend)[0]
+    result = run_against(args.against, args.kind, backend, args.seed, args.dtypes, args.skip_fully_masked)
+    if result["status"].startswith("usage: "):
+        raise ValueError(result["status"][len("usage: ") :])
+    results = {args.against: {**result, "backend": backend}}
+    cases = cases_for(args.kind, args.seed, args.skip_fully_masked)
+    rows = build_rows(results, cases, dict(args.tolerance or []), functions=(args.kind,))
+    rows = [r for r in rows if not args.dtypes or r.dtype in args.dtypes]
+    print(render(rows))
+    if args.skip_fully_masked:
+        print("(--skip-fully-masked: rows where nothing is visible were not judged)")
+    if args.json:
+        save_json(args.json, results, rows, args.seed)
+        _progress(f"results written to {args.json}")
+    return 1 if any(r.verdict == "FAIL" for r in rows) else 0
+
+
+def _dtype_list(text: str) -> List[str]:
+    from .check.cases import DTYPES
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in DTYPES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {unknown[0] if unknown else text!r}; known: {', '.join(DTYPES)}"
+        )
+    return names
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -84,7 +128,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="multiattn",
-        description="d2l 11.3 attention scoring functions on every framework, and proof that they agree.",
+        description="d2l 11.3/11.5 attention on every framework, and proof that they agree.",
     )
     parser.add_argument("--version", action="version", version=f"multiattn {__version__}")
     parser.add_argument("--debug", action="store_true", help="show a traceback for errors, not one line")
@@ -94,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check",
         help="run every installed backend on fixed cases; one agreement table",
-        description="Run fixed, seeded cases (masked softmax, additive and dot-product attention, "
-        "every dtype the backend supports, values and gradients) on each backend in its own "
-        "subprocess; print one table of errors against a float64 numpy reference and against "
+        description="Run fixed, seeded cases (masked softmax, additive, dot-product and multi-head "
+        "attention, masks, every dtype the backend supports, values and gradients) on each backend "
+        "in its own subprocess; print one table of errors against a float64 numpy reference and against "
         "every other backend. Exit status 1 if any row is outside its tolerance.",
     )
     check.add_argument(
@@ -109,6 +153,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--in-process",
         action="store_true",
         help="run backends in this process (no crash isolation; for debugging)",
+    )
+    against = check.add_argument_group(
+        "checking your own function",
+        "--against MODULE:FUNCTION --kind KIND --backend FRAMEWORK runs your function (same "
+        "arguments as multiattn's functional form of KIND) through the same cases, in a subprocess",
+    )
+    against.add_argument(
+        "--against",
+        metavar="MODULE:FUNCTION",
+        help="an importable module or a .py file, and a function in it",
+    )
+    against.add_argument(
+        "--kind",
+        choices=("masked_softmax", "dot_product", "additive", "multi_head"),
+        help="what the function computes",
+    )
+    against.add_argument(
+        "--backend", metavar="FRAMEWORK", help="the framework whose tensors it takes, e.g. torch"
+    )
+    against.add_argument(
+        "--dtypes", type=_dtype_list, help="comma-separated (default: every dtype the framework runs)"
+    )
+    against.add_argument(
+        "--skip-fully-masked",
+        action="store_true",
+        help="do not judge rows where nothing is visible (code that leaves them undefined, as d2l does)",
     )
     check.set_defaults(func=cmd_check)
 

@@ -16,17 +16,25 @@ EXAMPLE_ADDITIVE = 20  # the books' query width for additive attention
 pytestmark = pytest.mark.layers
 
 
+def _layer(bk, kind):
+    if kind == "additive":
+        return bk.additive(2, EXAMPLE_ADDITIVE, 8)
+    if kind == "multi_head":
+        return bk.multi_head(8, 2, bias=True, query_size=EXAMPLE_ADDITIVE, key_size=2, value_size=4)
+    return bk.dot()
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("kind", ["additive", "dot"])
+@pytest.mark.parametrize("kind", ["additive", "dot", "multi_head"])
 def test_copies_after_a_forward_call_give_the_same_outputs(bk, kind, how):
-    q, k, v, lens = example(bk, query_size=EXAMPLE_ADDITIVE if kind == "additive" else 2)
-    layer = bk.additive(2, EXAMPLE_ADDITIVE, 8) if kind == "additive" else bk.dot()
+    q, k, v, lens = example(bk, query_size=2 if kind == "dot" else EXAMPLE_ADDITIVE)
+    layer = _layer(bk, kind)
     out = bk.numpy(bk.call(layer, q, k, v, lens))
     twin = copy.deepcopy(layer) if how == "deepcopy" else pickle.loads(pickle.dumps(layer))
     if twin.attention_weights is not None:  # Keras rebuilds a copy from its config and weights
         np.testing.assert_array_equal(bk.numpy(twin.attention_weights), bk.numpy(layer.attention_weights))
     np.testing.assert_array_equal(bk.numpy(bk.call(twin, q, k, v, lens)), out)
-    if kind == "additive":
+    if kind != "dot":
         for name, value in layer.get_weights().items():
             np.testing.assert_array_equal(twin.get_weights()[name], value)
 
@@ -60,17 +68,27 @@ def _example_args(bk):
 
 
 def _round_trip(bk, save, load):
-    """A trained-looking layer saved the framework's way and loaded into a fresh one: the same
-    canonical weights and outputs."""
+    """A trained-looking layer (additive, and multi-head with biases) saved the framework's way
+    and loaded into a fresh one: the same canonical weights and outputs."""
     args = _example_args(bk)
     rng = np.random.default_rng(5)
-    weights = {"W_q": rng.normal(size=(8, 20)), "W_k": rng.normal(size=(8, 2)), "w_v": rng.normal(size=(8,))}
-    layer, fresh = bk.additive(2, EXAMPLE_ADDITIVE, 8, weights=weights), bk.additive(2, EXAMPLE_ADDITIVE, 8)
-    want = bk.numpy(bk.call(layer, *args))
-    fresh = load(fresh, save(layer)) or fresh
-    for name, value in layer.get_weights().items():
-        np.testing.assert_array_equal(fresh.get_weights()[name], value)
-    np.testing.assert_array_equal(bk.numpy(bk.call(fresh, *args)), want)
+    additive = {"W_q": rng.normal(size=(8, 20)), "W_k": rng.normal(size=(8, 2)), "w_v": rng.normal(size=(8,))}
+    multi_head = {"W_q": (8, 20), "W_k": (8, 2), "W_v": (8, 4), "W_o": (8, 8)}
+    multi_head.update({f"b_{n}": (8,) for n in "qkvo"})
+    sizes = dict(query_size=EXAMPLE_ADDITIVE, key_size=2, value_size=4)
+    for make, weights in (
+        (lambda **w: bk.additive(2, EXAMPLE_ADDITIVE, 8, **w), additive),
+        (
+            lambda **w: bk.multi_head(8, 2, bias=True, **sizes, **w),
+            {n: rng.normal(size=s) for n, s in multi_head.items()},
+        ),
+    ):
+        layer, fresh = make(weights=weights), make()
+        want = bk.numpy(bk.call(layer, *args))
+        fresh = load(fresh, save(layer)) or fresh
+        for name, value in layer.get_weights().items():
+            np.testing.assert_array_equal(fresh.get_weights()[name], value)
+        np.testing.assert_array_equal(bk.numpy(bk.call(fresh, *args)), want)
 
 
 @pytest.mark.backend("torch")

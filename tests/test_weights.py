@@ -87,3 +87,31 @@ def test_set_weights_needs_exactly_the_three_keys(bk):
     layer = bk.additive(2, 20, 8)
     with pytest.raises(ValueError, match=r"missing \['w_v'\], unknown \['bias'\]"):
         layer.set_weights({"W_q": WEIGHTS["W_q"], "W_k": WEIGHTS["W_k"], "bias": 1})
+
+
+MULTI_HEAD = {
+    "W_q": RNG.normal(size=(8, 20)), "W_k": RNG.normal(size=(8, 2)), "W_v": RNG.normal(size=(8, 4)),
+    "W_o": RNG.normal(size=(8, 8)), **{f"b_{n}": RNG.normal(size=(8,)) for n in "qkvo"},
+}  # fmt: skip
+SIZES = dict(query_size=20, key_size=2, value_size=4)
+
+
+@pytest.mark.layers
+def test_multi_head_weights_are_canonical_and_mean_the_formula(bk):
+    layer = bk.multi_head(8, 2, bias=True, dtype="float64", weights=MULTI_HEAD, **SIZES)
+    got = layer.get_weights()
+    assert {k: v.shape for k, v in got.items()} == {k: v.shape for k, v in MULTI_HEAD.items()}
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, MULTI_HEAD[key])
+    want = ref.multi_head_attention(Q, K, V, LENS, MULTI_HEAD, 2)[0]
+    np.testing.assert_allclose(run(bk, layer), want, **f64(bk))
+    assert set(bk.multi_head(8, 2, **SIZES).get_weights()) == {"W_q", "W_k", "W_v", "W_o"}  # no bias
+
+
+@pytest.mark.layers
+def test_multi_head_round_trip_between_backends(pair):
+    a, b = pair
+    source = a.multi_head(8, 4, bias=True, dtype="float64", **SIZES)
+    target = b.multi_head(8, 4, bias=True, dtype="float64", weights=source.get_weights(), **SIZES)
+    tol = max(tolerance(a.name, "float64"), tolerance(b.name, "float64"))
+    np.testing.assert_allclose(run(b, target), run(a, source), rtol=tol, atol=tol)

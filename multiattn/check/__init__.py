@@ -18,7 +18,9 @@ from . import worker
 from .cases import make_cases
 from .table import Row, build_rows, render, rows_as_json
 
-__all__ = ["installed_backends", "run_check", "load_json", "save_json", "build_rows", "render", "Row"]
+__all__ = [
+    "installed_backends", "run_check", "run_against", "load_json", "save_json", "build_rows", "render", "Row",
+]  # fmt: skip
 
 
 def installed_backends() -> List[str]:
@@ -34,10 +36,14 @@ def installed_backends() -> List[str]:
 WORKER_COMMAND = [sys.executable, "-m", "multiattn.check.worker"]
 
 
-def _run_isolated(name: str, seed: int, timeout: float) -> dict:
+def _run_isolated(name: str, seed: int, timeout: float, against: Optional[List[str]] = None) -> dict:
+    """One worker subprocess; ``against``: [SPEC, KIND, DTYPES or "-", flags...] for `--against`."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, f"{name}.npz")
-        cmd = [*WORKER_COMMAND, name, str(seed), out]
+        if against:
+            cmd = [*WORKER_COMMAND, "--against", against[0], against[1], name, str(seed), out, *against[2:]]
+        else:
+            cmd = [*WORKER_COMMAND, name, str(seed), out]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -77,6 +83,21 @@ def run_check(
         if progress:
             progress(f"[{i}/{len(backends)}] {name}: {results[name]['status']}")
     return results
+
+
+def run_against(
+    spec: str,
+    kind: str,
+    backend: str,
+    seed: int = 0,
+    dtypes: Optional[List[str]] = None,
+    skip_fully_masked: bool = False,
+    timeout: float = 600.0,
+) -> dict:
+    """The results of the user's function SPEC (MODULE:FUNCTION) on one backend, in a subprocess
+    (``check.against``); status ``usage: ...`` where it cannot be checked as asked."""
+    flags = [",".join(dtypes) if dtypes else "-"] + (["--skip-fully-masked"] if skip_fully_masked else [])
+    return _run_isolated(backend, seed, timeout, against=[spec, kind, *flags])
 
 
 def _to_lists(value):

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .cases import DTYPES, FUNCTIONS, Case, tolerance
+from .cases import DTYPES, FUNCTIONS, MASKS, Case, tolerance
 
 
 @dataclass
@@ -26,6 +26,8 @@ class Row:
     grad_error: Optional[float] = None
     verdict: str = "ok"
     reason: str = ""
+    not_run: Dict[str, List[str]] = field(default_factory=dict)  # why -> cases the function could not take
+    failures: Dict[str, List[str]] = field(default_factory=dict)  # why -> the masks it failed in
 
     @property
     def worst_cross(self) -> str:
@@ -53,16 +55,29 @@ def _scale(*arrays: np.ndarray) -> float:
 
 
 def _fail(row: Row, reason: str) -> None:
+    """Mark the row failed; distinct reasons are kept, each with the masks it happened in
+    ("1d, 2d: NaN in the output; 1d: input modified in place: X")."""
     row.verdict = "FAIL"
-    row.reason = row.reason or reason
+    mask, sep, why = reason.partition(": ")
+    if not sep or mask not in MASKS:
+        mask, why = "", reason
+    row.failures.setdefault(why, [])
+    if mask and mask not in row.failures[why]:
+        row.failures[why].append(mask)
+    row.reason = "; ".join(
+        f"{', '.join(masks)}: {why}" if masks else why for why, masks in list(row.failures.items())[:3]
+    )
 
 
 def build_rows(
-    results: Dict[str, dict], cases: List[Case], overrides: Optional[Dict[str, float]] = None
+    results: Dict[str, dict],
+    cases: List[Case],
+    overrides: Optional[Dict[str, float]] = None,
+    functions: tuple = FUNCTIONS,
 ) -> List[Row]:
     rows = []
     for backend, res in results.items():
-        for function in FUNCTIONS:
+        for function in functions:
             for dtype in DTYPES:
                 row = Row(backend, res["version"], function, dtype)
                 rows.append(row)
@@ -80,24 +95,34 @@ def _compare_case(row, case, backend, results, tol, overrides) -> None:
     if mine["status"].startswith("unsupported"):
         row.verdict, row.reason = "n/a", mine["status"].split(": ", 1)[1]
         return
+    if mine["status"].startswith("skipped"):  # `check --against`: a case the function cannot take
+        row.not_run.setdefault(mine["status"].split(": ", 1)[1], []).append(case.mask)
+        return
     if mine["status"] != "ok":
         _fail(row, f"{case.mask}: {mine['status']}")
         return
+    if mine.get("modified"):
+        _fail(row, f"{case.mask}: input modified in place: {', '.join(mine['modified'])}")
     want = case.expected
+    mine = _without_skipped_rows(mine, want)
     scale = _scale(want["out"], want["weights"])
-    err = max(_err(mine["out"], want["out"]), _err(mine["weights"], want["weights"]))
-    if "fast" in mine:  # the dot-product fast path, compared with the same reference
-        err = max(err, _err(mine["fast"], want["out"]))
+    errors = {"output": _err(mine["out"], want["out"])}
+    if "weights" in mine:
+        errors["weights"] = _err(mine["weights"], want["weights"])
+    if "fast" in mine:  # the no-weights path (fused kernels), compared with the same reference
+        errors["output without weights"] = _err(mine["fast"], want["out"])
+    err = max(errors.values())
     row.ref_error = max(row.ref_error or 0.0, err)
     if not err <= tol * scale:
-        _fail(row, f"{case.mask}: {err:.2g} from the reference > {tol * scale:.2g}")
+        _fail(row, f"{case.mask}: {explain(case, mine, errors, tol * scale)}")
     if "grads" in mine:
         for arg, grad in mine["grads"].items():
             g_err = _err(grad, want["grads"][arg])
             row.grad_error = max(row.grad_error or 0.0, g_err)
             g_tol = 10 * tol * _scale(want["grads"][arg])
             if not g_err <= g_tol:
-                _fail(row, f"{case.mask}: gradient of {arg} {g_err:.2g} from the reference > {g_tol:.2g}")
+                what = "NaN" if np.isnan(grad).any() else f"{g_err:.2g} from the reference > {g_tol:.2g}"
+                _fail(row, f"{case.mask}: gradient of {arg} {what}")
     for other, res in results.items():
         theirs = res["cases"].get(case.name, {}) if res["status"] == "ok" else {}
         if other == backend or theirs.get("status") != "ok":
@@ -107,6 +132,54 @@ def _compare_case(row, case, backend, results, tol, overrides) -> None:
         both = (tol + tolerance(_name(results, other), case.dtype, overrides)) * scale
         if not diff <= both:
             _fail(row, f"{case.mask}: differs from {other} by {diff:.2g} > {both:.2g}")
+
+
+def _without_skipped_rows(mine: dict, want: dict) -> dict:
+    """The result with the rows the reference leaves out (``--skip-fully-masked``) set to the
+    reference's, so that they cannot fail."""
+    skip = want.get("skip_rows")
+    if skip is None or not skip.any():
+        return mine
+    mine = dict(mine)
+    for key, reference in (("out", want["out"]), ("weights", want["weights"])):
+        if key in mine and np.shape(mine[key]) == reference.shape:
+            rows = skip if reference.ndim == skip.ndim + 1 else skip[:, None]  # multi-head weights: per head
+            mine[key] = np.where(np.broadcast_to(rows[..., None], reference.shape), reference, mine[key])
+    return mine
+
+
+def explain(case: Case, mine: dict, errors: Dict[str, float], tol: float) -> str:
+    """Why a case failed, in words: NaN, the fully masked rows' weights, or the largest error."""
+    want_weights = case.expected["weights"]
+    dead = want_weights.sum(-1) == 0  # rows where the reference sees no key
+    for key in ("out", "weights", "fast"):
+        got = mine.get(key)
+        if got is None:
+            continue
+        got = np.asarray(got, dtype=np.float64)
+        name = {"out": "output", "weights": "weights", "fast": "output without weights"}[key]
+        if got.shape != (want_weights if key == "weights" else case.expected["out"]).shape:
+            want_shape = (want_weights if key == "weights" else case.expected["out"]).shape
+            return f"{name} has shape {got.shape}, reference {want_shape}"
+        if np.isnan(got).any():
+            rows = np.isnan(got).any(-1)
+            only_dead = rows.shape == dead.shape and dead.any() and not rows[~dead].any()
+            return f"NaN in the {name}" + (" in fully masked rows only" if only_dead else "")
+    got_weights = mine.get("weights")
+    if got_weights is not None and dead.any():
+        rows = np.asarray(got_weights, dtype=np.float64)[dead]
+        if np.abs(rows).max() > tol:
+            if np.ptp(rows, axis=-1).max() <= tol:
+                return f"fully masked row: got uniform weights {rows.flat[0]:.3g}, reference 0"
+            return f"fully masked row: got weights summing to {rows.sum(-1).max():.3g}, reference 0"
+    name = max(errors, key=lambda k: errors[k])
+    return f"{name} {errors[name]:.2g} from the reference > {tol:.2g}"
+
+
+def _not_run(row: Row) -> str:
+    if not row.not_run:
+        return ""
+    return "; not run: " + "; ".join(f"{', '.join(masks)} ({why})" for why, masks in row.not_run.items())
 
 
 def render(rows: List[Row]) -> str:
@@ -123,7 +196,7 @@ def render(rows: List[Row]) -> str:
             num(r.ref_error),
             r.worst_cross,
             num(r.grad_error),
-            r.verdict + (f": {r.reason}" if r.reason else ""),
+            r.verdict + (f": {r.reason}" if r.reason else "") + _not_run(r),
         ]
         for r in rows
     ]
@@ -138,8 +211,8 @@ def render(rows: List[Row]) -> str:
     backends = sorted({r.backend for r in rows})
     out.append("")
     out.append(
-        f"{len(rows)} rows, {len(backends)} backends ({', '.join(backends)}): "
-        + (f"{failed} FAILED" if failed else "all agree within tolerance")
+        f"{len(rows)} rows, {len(backends)} backend{'' if len(backends) == 1 else 's'} "
+        f"({', '.join(backends)}): " + (f"{failed} FAILED" if failed else "all agree within tolerance")
     )
     return "\n".join(out)
 

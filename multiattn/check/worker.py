@@ -99,7 +99,11 @@ def run_backend(name: str, seed: int) -> Dict[str, Any]:
 def save(results: Dict[str, Any], path: str) -> None:
     arrays, meta = {}, {"version": results["version"], "status": results["status"], "cases": {}}
     for case, result in results["cases"].items():
-        meta["cases"][case] = {"status": result["status"], "grads": sorted(result.get("grads", {}))}
+        meta["cases"][case] = {
+            "status": result["status"],
+            "grads": sorted(result.get("grads", {})),
+            **({"modified": result["modified"]} if result.get("modified") else {}),
+        }
         for key in ("out", "weights", "fast"):
             if key in result:
                 arrays[f"{case}|{key}"] = result[key]
@@ -114,6 +118,8 @@ def load(path: str) -> Dict[str, Any]:
         results = {"version": meta["version"], "status": meta["status"], "cases": {}}
         for case, info in meta["cases"].items():
             result: Dict[str, Any] = {"status": info["status"]}
+            if info.get("modified"):
+                result["modified"] = info["modified"]
             for key in ("out", "weights", "fast"):
                 if f"{case}|{key}" in data:
                     result[key] = data[f"{case}|{key}"]
@@ -124,6 +130,9 @@ def load(path: str) -> Dict[str, Any]:
 
 
 def main(argv: list) -> int:
+    """``BACKEND SEED OUT``, or ``--against SPEC KIND BACKEND SEED OUT [DTYPES] [--skip-fully-masked]``."""
+    if argv[0] == "--against":
+        return _main_against(argv[1:])
     name, seed, out = argv[0], int(argv[1]), argv[2]
     try:
         results = run_backend(name, seed)
@@ -131,6 +140,23 @@ def main(argv: list) -> int:
         message = f"{type(err).__name__}: {err}"
         print(traceback.format_exc(), file=sys.stderr)
         results = {"version": "?", "status": f"failed: {message}", "cases": {}}
+    save(results, out)
+    return 0
+
+
+def _main_against(argv: list) -> int:
+    from .against import UsageError, load_function, run_function
+
+    spec, kind, name, seed, out = argv[0], argv[1], argv[2], int(argv[3]), argv[4]
+    dtypes = argv[5].split(",") if len(argv) > 5 and argv[5] != "-" else None
+    try:
+        fn = load_function(spec)
+        results = run_function(fn, kind, name, seed, dtypes, skip_fully_masked="--skip-fully-masked" in argv)
+    except UsageError as err:  # the command's mistake, not a failed row: exit status 2
+        results = {"version": "?", "status": f"usage: {err}", "cases": {}}
+    except BaseException as err:
+        print(traceback.format_exc(), file=sys.stderr)
+        results = {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {}}
     save(results, out)
     return 0
 

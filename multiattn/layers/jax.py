@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from flax.errors import TraceContextError
+from flax.nnx.nn.attention import dot_product_attention as _flax_attention
 
 from ..backends.jax import ops, to_numpy
 from . import (
@@ -23,6 +24,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
+    native,
 )
 
 
@@ -163,3 +165,39 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
             attention_mask, causal,
         )  # fmt: skip
         return self._finish(result, return_weights)
+
+    @classmethod
+    def from_native(
+        cls, layer: nnx.MultiHeadAttention, *, rngs: Optional[nnx.Rngs] = None
+    ) -> "MultiHeadAttention":
+        """A MultiHeadAttention with the weights, sizes and dropout rate of a
+        ``flax.nnx.MultiHeadAttention`` (as many key/value heads as heads, out_features == qkv_features)."""
+        if not isinstance(layer, nnx.MultiHeadAttention):
+            raise TypeError(f"from_native takes a flax.nnx.MultiHeadAttention, got {type(layer).__name__}")
+        arrays = native.read(lambda path: native.attribute(layer, path), native.FLAX_PATHS, _value)
+        config, weights = native.flax_from(
+            arrays, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, in_features=layer.in_features,
+            qkv_features=layer.qkv_features, out_features=layer.out_features,
+            in_kv_features=layer.in_kv_features, dropout_rate=layer.dropout_rate,
+            normalize_qk=layer.normalize_qk, default_attention_fn=layer.attention_fn is _flax_attention,
+        )  # fmt: skip
+        out = cls(**config.kwargs(), rngs=rngs, param_dtype=layer.query.kernel[...].dtype)
+        out.set_weights(weights)
+        return out
+
+    def to_native(self, *, rngs: Optional[nnx.Rngs] = None) -> nnx.MultiHeadAttention:
+        """A new ``flax.nnx.MultiHeadAttention`` with these weights (needs key_size == value_size;
+        ``decode=False``, ``broadcast_dropout=False``, deterministic as this layer's dropout)."""
+        kwargs, arrays = native.flax_to(native.config(self, self.dropout.rate), self.get_weights())
+        layer = nnx.MultiHeadAttention(
+            **kwargs, decode=False, deterministic=bool(self.dropout.deterministic),
+            param_dtype=self.W_o.kernel[...].dtype, rngs=rngs if rngs is not None else nnx.Rngs(0),
+        )  # fmt: skip
+        for path, value in arrays.items():
+            variable = native.attribute(layer, path)
+            variable.set_value(jnp.asarray(value, dtype=variable[...].dtype))
+        return layer
+
+
+def _value(variable: nnx.Variable) -> Any:
+    return to_numpy(variable[...])

@@ -15,6 +15,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
+    native,
 )
 
 
@@ -123,3 +124,26 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             queries, keys, values, valid_lens, self._dropout_now(), self._need_weights, attention_mask, causal
         )
         return out
+
+    @classmethod
+    def from_native(cls, layer: nn.MultiHeadAttention) -> "MultiHeadAttention":
+        """A MultiHeadAttention with the weights, sizes and mode of an ``mlx.nn.MultiHeadAttention``
+        (value_dims == value_output_dims == dims; it has no dropout)."""
+        if not isinstance(layer, nn.MultiHeadAttention):
+            raise TypeError(f"from_native takes an mlx.nn.MultiHeadAttention, got {type(layer).__name__}")
+        arrays = native.read(lambda path: native.attribute(layer, path), native.MLX_PATHS, to_numpy)
+        config, weights = native.mlx_from(arrays, num_heads=layer.num_heads)
+        out = cls(**config.kwargs())
+        out.set_dtype(layer.query_proj.weight.dtype)
+        out.set_weights(weights)
+        return out.train(layer.training)
+
+    def to_native(self) -> nn.MultiHeadAttention:
+        """A new ``mlx.nn.MultiHeadAttention`` with these weights (needs dropout == 0)."""
+        kwargs, arrays = native.mlx_to(native.config(self, self._rate), self.get_weights())
+        layer = nn.MultiHeadAttention(**kwargs)
+        dtype = self.W_o.weight.dtype
+        for path, value in arrays.items():
+            module, field = path.split(".")
+            setattr(getattr(layer, module), field, from_numpy(value).astype(dtype))
+        return layer.train(self.training)

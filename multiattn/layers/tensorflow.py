@@ -22,6 +22,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
+    native,
 )
 
 
@@ -196,3 +197,32 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             "value_size": self.value_size,
             "need_weights": self.need_weights,
         }
+
+    @classmethod
+    def from_native(cls, layer: Any) -> "MultiHeadAttention":
+        """A MultiHeadAttention with the weights, sizes and dropout of a built
+        ``keras.layers.MultiHeadAttention`` (value_dim == key_dim, output width num_heads * key_dim)."""
+        if not isinstance(layer, keras.layers.MultiHeadAttention):
+            raise TypeError(
+                f"from_native takes a keras.layers.MultiHeadAttention, got {type(layer).__name__}"
+            )
+        arrays = native.read(lambda path: native.attribute(layer, path), native.KERAS_PATHS, to_numpy)
+        config, weights = native.keras_from(
+            arrays, num_heads=layer.num_heads, key_dim=layer.key_dim, value_dim=layer.value_dim,
+            dropout=layer.dropout, output_shape=layer._output_shape, attention_axes=layer.attention_axes,
+            use_gate=getattr(layer, "_use_gate", False),
+            sliding_window=getattr(layer, "_sliding_window", None),
+        )  # fmt: skip
+        out = cls(**config.kwargs(), dtype=layer.query_dense.kernel.dtype)
+        out.set_weights(weights)
+        return out
+
+    def to_native(self) -> Any:
+        """A new, built ``keras.layers.MultiHeadAttention`` with these weights."""
+        kwargs, arrays, build = native.keras_to(native.config(self, self.rate), self.get_weights())
+        layer = keras.layers.MultiHeadAttention(**kwargs, dtype=self.W_o.dtype)
+        layer.build(**build)
+        for path, value in arrays.items():
+            variable = native.attribute(layer, path)
+            variable.assign(np.asarray(value, dtype=variable.dtype))
+        return layer

@@ -20,6 +20,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
+    native,
 )
 
 
@@ -143,3 +144,30 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights, attention_mask, causal
         )
         return out
+
+    @classmethod
+    def from_native(cls, layer: nn.MultiheadAttention) -> "MultiHeadAttention":
+        """A MultiHeadAttention with the weights, sizes, dropout and mode of a
+        ``torch.nn.MultiheadAttention`` (either ``batch_first``; this layer is batch first)."""
+        if not isinstance(layer, nn.MultiheadAttention):
+            raise TypeError(f"from_native takes a torch.nn.MultiheadAttention, got {type(layer).__name__}")
+        arrays = native.read(lambda path: native.attribute(layer, path), native.TORCH_PATHS, to_numpy)
+        config, weights = native.torch_from(
+            arrays, embed_dim=layer.embed_dim, num_heads=layer.num_heads, kdim=layer.kdim, vdim=layer.vdim,
+            dropout=layer.dropout, add_zero_attn=layer.add_zero_attn,
+        )  # fmt: skip
+        p = layer.out_proj.weight
+        out = cls(**config.kwargs(), device=p.device, dtype=p.dtype)
+        out.set_weights(weights)
+        return out.train(layer.training)
+
+    def to_native(self, batch_first: bool = True) -> nn.MultiheadAttention:
+        """A new ``torch.nn.MultiheadAttention`` with these weights (needs query_size == num_hiddens)."""
+        kwargs, arrays = native.torch_to(native.config(self, self.dropout.p), self.get_weights())
+        p = self.W_o.weight
+        layer = nn.MultiheadAttention(**kwargs, batch_first=batch_first, device=p.device, dtype=p.dtype)
+        with torch.no_grad():
+            for path, value in arrays.items():
+                param = layer.get_parameter(path)
+                param.copy_(torch.from_numpy(value).reshape(param.shape))
+        return layer.train(self.training)
