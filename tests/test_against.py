@@ -138,3 +138,18 @@ def test_a_torch_function_gets_its_gradients_judged():
     assert "gradient of queries" in str(info.value) and "from the reference" in str(info.value)
     assert torch.is_grad_enabled()
     assert np.isfinite(1.0)
+
+
+@pytest.mark.backend("numpy")
+def test_the_docs_example_runs():
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parent.parent / "docs" / "check-your-code.md"
+    (code,) = re.findall(r"```python\n(.*?)```", page.read_text(), re.S)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "none: output 0.34 from the reference > 1.2e-10" in result.stdout
+    assert "does not match the reference (dot_product on numpy)" in result.stdout
