@@ -343,6 +343,8 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
 def _checked_masks(
     ops: Ops, valid_lens: Tensor, attention_mask: Tensor, causal: Any, scores_shape: tuple
 ) -> Masks:
+    if attention_mask is None and causal is False:  # the common case, in two comparisons
+        return NO_MASKS if valid_lens is None else Masks(valid_lens)
     checks.check_causal(causal)
     return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
 

@@ -227,7 +227,7 @@ class FlaxNative(Native):
         from flax import nnx
 
         return {
-            ".".join(map(str, path)): np.asarray(value)
+            ".".join(map(str, path)): np.asarray(value.get_value())
             for path, value in nnx.to_flat_state(nnx.state(layer, nnx.Param))
         }
 
@@ -336,7 +336,7 @@ class MlxNative(Native):
 NATIVES = {n.name: n() for n in (TorchNative, KerasNative, FlaxNative, PaddleNative, MlxNative)}
 
 
-def _native_params(*with_config):
+def _native_params(with_config: bool):
     out = []
     for name, native in NATIVES.items():
         for config in native.configs if with_config else [None]:
@@ -528,7 +528,9 @@ def test_paddle_refusals():
         MultiHeadAttention.from_native(nn.Linear(2, 2))
     layer = MultiHeadAttention(8, 2, bias=True)
     layer.to(dtype="float64")
-    assert str(layer.to_native().q_proj.weight.dtype).endswith("float64")
+    native = layer.to_native()
+    assert str(native.q_proj.weight.dtype).endswith("float64")
+    assert str(MultiHeadAttention.from_native(native).W_q.weight.dtype).endswith("float64")
 
 
 @pytest.mark.backend("mlx")

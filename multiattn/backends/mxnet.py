@@ -120,14 +120,13 @@ class MxnetOps(Ops):
     # out): the padding is written by the sequence mask, on views (mxnet.numpy's reshape
     # copies) and into the core's own scores (out=) outside autograd.
     def host_lengths(self, x, lens):
-        if x.dtype == onp.float64 or x.ndim != 3:  # sequence_mask's fill is float32; no heads axis
+        if x.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
             return None
         return lens.asnumpy().astype("float64").tolist()
 
     def fill_padding(self, x, lengths, fill, uniform=False):
-        batch, n_queries, n_keys = x.shape
-        lengths = onp.asarray(lengths, dtype="int64")
-        rows = lengths.reshape(-1) if lengths.ndim == 2 else onp.repeat(lengths, n_queries)
+        n_keys = x.shape[-1]
+        rows = _row_lengths(onp.asarray(lengths, dtype="int64"), x.shape)
         padded = rows < n_keys
         if not padded.any():
             return x
@@ -148,16 +147,31 @@ class MxnetOps(Ops):
         lengths = onp.asarray(lengths, dtype="int64")
         if lengths.ndim == 2:  # per-query lengths: a key is used if any query may see it
             lengths = lengths.max(axis=1)
-        return values if (lengths >= values.shape[1]).all() else _sequence_mask(values, lengths, 0.0)
+        n_keys = values.shape[-2]
+        if (lengths >= n_keys).all():
+            return values
+        # (B, [H,] K, v) as (B * H, K, v), each sequence's length once per head
+        groups = values.size // (values.shape[0] * n_keys * values.shape[-1])
+        flat = values.reshape(-1, n_keys, values.shape[-1])
+        return _sequence_mask(flat, onp.repeat(lengths, groups), 0.0).reshape(values.shape)
 
 
 def _on_cpu(x) -> bool:
     return x.ctx.device_type == "cpu"
 
 
+def _row_lengths(lengths: onp.ndarray, shape: tuple) -> onp.ndarray:
+    """The length of every row of scores (B, [H,] Q, K) flattened to (-1, K): lengths (B,) or
+    (B, Q), shared by the heads."""
+    n_queries = shape[-2]
+    heads = shape[1] if len(shape) == 4 else 1
+    per_query = lengths if lengths.ndim == 2 else onp.repeat(lengths[:, None], n_queries, 1)
+    return onp.repeat(per_query[:, None, :], heads, 1).reshape(-1)
+
+
 def _last_column(x) -> onp.ndarray:
-    """x[:, :, -1] in host memory: mxnet's slice has a high fixed cost, so small x are read whole."""
-    return x.asnumpy()[:, :, -1] if x.size <= _SMALL_ELEMENTS else x[:, :, -1].asnumpy()
+    """x[..., -1] in host memory: mxnet's slice has a high fixed cost, so small x are read whole."""
+    return x.asnumpy()[..., -1] if x.size <= _SMALL_ELEMENTS else x[..., -1].asnumpy()
 
 
 _SMALL_ELEMENTS = 1 << 16
