@@ -24,9 +24,7 @@ def visibility(
     """Which key each query may see, for scores (B, [H,] Q, K): j < valid_len, attention_mask
     and (causal) j <= i, all of them (AND); None where every key is visible."""
     shape = ops.shape(scores)
-    masks = []
-    if valid_lens is not None:
-        masks.append(ops.length_mask(scores, valid_lens))  # (B, 1|Q, K)
+    masks = [] if valid_lens is None else [ops.length_mask(scores, valid_lens)]  # (B, 1|Q, K)
     if attention_mask is not None:
         masks.append(attention_mask)
     if causal:

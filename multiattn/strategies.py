@@ -216,8 +216,7 @@ def scaled_dot_product(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Checked inputs (B, [H,] n, d): the fused kernel where it may run, else scores, the
     masked softmax and the pooling (``attend``)."""
-    scores_shape = ops.shape(queries)[:-1] + ops.shape(keys)[-2:-1]
-    if not need_weights and dropout is None and _fuses(ops, queries, keys, values, scores_shape):
+    if not need_weights and dropout is None and _fuses(ops, queries, keys, values):
         return fused_attention(ops, queries, keys, values, masks, scale), None
     scores = ops.scaled_matmul_t(queries, keys, scale)
     out, weights = attend(ops, scores, values, masks, dropout, need_weights)
@@ -234,18 +233,18 @@ def attend(
 ) -> tuple[Tensor, Tensor]:
     """``core.attend`` for scores the core made itself (so they may be written).
     need_weights=False: the weights may be inexact in rows where nothing is visible."""
-    lengths = None
-    if masks.only_lengths:
-        lengths = _host_lengths(ops, scores, masks.valid_lens, ops.shape(scores)[-1])
-    if masks.none:
+    if masks is NO_MASKS or masks.none:
         weights = ops.softmax_owned(scores)
-    elif lengths is not None:
+        return core.attention_pooling(ops, weights, values, dropout), weights
+    only_lengths = masks.only_lengths
+    lengths = _host_lengths(ops, scores, masks.valid_lens, ops.shape(scores)[-1]) if only_lengths else None
+    if lengths is not None:
         weights = softmax_writing_padding(ops, scores, lengths)
         values = _visible_values(ops, values, None, lengths)
     else:
         # Without the weights, per-sequence lengths need no exact zeros: the padded value
         # rows are zeroed, so a row with nothing visible weighs only those, and gives 0.
-        exact = need_weights or not masks.only_lengths or len(ops.shape(masks.valid_lens)) != 1
+        exact = need_weights or not only_lengths or len(ops.shape(masks.valid_lens)) != 1
         mask = core.visibility(ops, scores, *masks)
         weights = masked_softmax_in_place(ops, scores, mask, exact)
         values = core.visible_values(ops, values, mask)
@@ -349,8 +348,9 @@ def _checked_masks(
     return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
 
 
-def _fuses(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, scores_shape: tuple) -> bool:
+def _fuses(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor) -> bool:
     """The one predicate of the fused path: the kernel takes these inputs at this size."""
+    scores_shape = ops.shape(queries)[:-1] + ops.shape(keys)[-2:-1]
     return _at_least(scores_shape, ops.fused_min_scores) and ops.can_fuse(queries, keys, values)
 
 
