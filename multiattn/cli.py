@@ -62,6 +62,10 @@ def _finish(results: Dict[str, dict], seed: int, args: argparse.Namespace) -> in
 def cmd_check(args: argparse.Namespace) -> int:
     from .check import installed_backends, run_check
 
+    if args.native:
+        return cmd_native(args)
+    if args.markdown:
+        raise ValueError("--markdown PATH goes with --native")
     if args.against:
         return cmd_against(args)
     if args.kind or args.backend or args.skip_fully_masked or args.dtypes:
@@ -98,6 +102,42 @@ def cmd_against(args: argparse.Namespace) -> int:
         save_json(args.json, results, rows, args.seed)
         _progress(f"results written to {args.json}")
     return 1 if any(r.verdict == "FAIL" for r in rows) else 0
+
+
+def cmd_native(args: argparse.Namespace) -> int:
+    """`check --native`: each framework's own attention through the battery; exit 0 with the
+    table (a disagreement is a finding about the framework, not a failure)."""
+    from .check import installed_backends, native, run_native, save_json
+
+    others = [flag for flag, given in (("--against", args.against), ("--kind", args.kind),
+              ("--backend", args.backend), ("--dtypes", args.dtypes), ("--skip-fully-masked",
+              args.skip_fully_masked), ("--in-process", args.in_process)) if given]  # fmt: skip
+    if others:
+        raise ValueError(
+            f"--native runs each framework's own attention: {', '.join(others)} does not go with it"
+        )
+    asked = args.backends or installed_backends()
+    backends = [b for b in asked if b in native.FRAMEWORKS]
+    if not backends:
+        raise ValueError(
+            f"--native: none of {', '.join(asked)} has attention of its own "
+            f"(those that do: {', '.join(native.FRAMEWORKS)})"
+        )
+    _progress(f"multiattn {__version__}: the own attention of {', '.join(backends)} (seed {args.seed})")
+    results, missing = native.split_absent(run_native(backends, seed=args.seed, progress=_progress))
+    overrides = dict(args.tolerance or [])
+    print(native.render(results, args.seed, overrides))
+    for label, why in missing.items():
+        print(f"({label}: not run, not importable here: {why})")
+    if args.json:
+        save_json(args.json, results, native.build_native_rows(results, args.seed, overrides), args.seed)
+        _progress(f"results written to {args.json}")
+    if args.markdown:
+        page = native.markdown(results, native.versions_of(results), args.seed, missing)
+        with open(args.markdown, "w") as f:
+            f.write(page)
+        _progress(f"page written to {args.markdown}")
+    return 0
 
 
 def _dtype_list(text: str) -> List[str]:
@@ -149,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights (default 0)")
     check.add_argument("--tolerance", type=_tolerance, action="append", help=tolerance_help)
     check.add_argument("--json", metavar="PATH", help="also write the results (arrays included) as JSON")
+    check.add_argument(
+        "--native",
+        action="store_true",
+        help="run each framework's OWN attention (torch SDPA and nn.MultiheadAttention, Keras, jax/flax, "
+        "paddle, mlx, d2l where importable) through the same cases: where they disagree; exit 0",
+    )
+    check.add_argument(
+        "--markdown", metavar="PATH", help="with --native: also write the tables as a Markdown page"
+    )
     check.add_argument(
         "--in-process",
         action="store_true",

@@ -19,7 +19,8 @@ from .cases import make_cases
 from .table import Row, build_rows, render, rows_as_json
 
 __all__ = [
-    "installed_backends", "run_check", "run_against", "load_json", "save_json", "build_rows", "render", "Row",
+    "installed_backends", "run_check", "run_against", "run_native", "load_json", "save_json", "build_rows",
+    "render", "Row",
 ]  # fmt: skip
 
 
@@ -98,6 +99,42 @@ def run_against(
     (``check.against``); status ``usage: ...`` where it cannot be checked as asked."""
     flags = [",".join(dtypes) if dtypes else "-"] + (["--skip-fully-masked"] if skip_fully_masked else [])
     return _run_isolated(backend, seed, timeout, against=[spec, kind, *flags])
+
+
+def run_native(
+    backends: List[str],
+    seed: int = 0,
+    progress: Optional[Callable[[str], None]] = None,
+    timeout: float = 600.0,
+) -> Dict[str, dict]:
+    """Each framework's own attention (``check.native``), a subprocess per framework:
+    {implementation label: results}; a backend without native attention (numpy) is left out."""
+    from . import native
+
+    frameworks = [name for name in backends if name in native.FRAMEWORKS]
+    results: Dict[str, dict] = {}
+    for i, name in enumerate(frameworks, 1):
+        if progress:
+            progress(f"[{i}/{len(frameworks)}] {name}: its own attention through the battery ...")
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "native")
+            cmd = [*WORKER_COMMAND, "--native", name, str(seed), out]
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            except subprocess.TimeoutExpired:
+                failed = f"failed: no result within {timeout:.0f} s"
+            else:
+                tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+                failed = f"failed: worker exit {proc.returncode}: {tail}"
+            if os.path.exists(os.path.join(out, "index.json")):
+                got = native.load(out)
+            else:  # a crash (a segfault) is that framework's one failed row, never a dead command
+                got = {name: {"version": "?", "status": failed, "cases": {}, "backend": name}}
+        results.update(got)
+        if progress:
+            statuses = sorted({r["status"] for r in got.values()})
+            progress(f"[{i}/{len(frameworks)}] {name}: {len(got)} implementations, {', '.join(statuses)}")
+    return results
 
 
 def _to_lists(value):

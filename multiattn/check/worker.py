@@ -130,9 +130,12 @@ def load(path: str) -> Dict[str, Any]:
 
 
 def main(argv: list) -> int:
-    """``BACKEND SEED OUT``, or ``--against SPEC KIND BACKEND SEED OUT [DTYPES] [--skip-fully-masked]``."""
+    """``BACKEND SEED OUT``, or ``--against SPEC KIND BACKEND SEED OUT [DTYPES] [--skip-fully-masked]``,
+    or ``--native FRAMEWORK SEED OUTDIR`` (the framework's own attention, ``check.native``)."""
     if argv[0] == "--against":
         return _main_against(argv[1:])
+    if argv[0] == "--native":
+        return _main_native(argv[1:])
     name, seed, out = argv[0], int(argv[1]), argv[2]
     try:
         results = run_backend(name, seed)
@@ -158,6 +161,20 @@ def _main_against(argv: list) -> int:
         print(traceback.format_exc(), file=sys.stderr)
         results = {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {}}
     save(results, out)
+    return 0
+
+
+def _main_native(argv: list) -> int:
+    from . import native
+
+    name, seed, out = argv[0], int(argv[1]), argv[2]
+    try:
+        results = native.run_framework(name, seed)
+    except BaseException as err:  # the framework itself failed: one result saying why
+        print(traceback.format_exc(), file=sys.stderr)
+        results = {name: {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {},
+                          "backend": name}}  # fmt: skip
+    native.save(results, out)
     return 0
 
 
