@@ -1,0 +1,586 @@
+"""The frameworks' own attention for ``multiattn check --native`` (run and reported by
+``check.native``): each implementation wrapped as a function of one of check's kinds.
+
+Every implementation below is wrapped as a "user function" of its kind (the signature that
+``check.against.run_function`` takes) that only translates multiattn's arguments into the
+native API, and is judged like ``check --against``: against the same float64 reference, in
+every dtype, values and gradients, inputs checked for writes.  A disagreement is the
+framework's, not the wrapper's: with no mask every wrapper agrees with the reference
+(tests/test_native.py), and the translations are these:
+
+* lengths: a boolean mask ``arange(keys) < length`` (per batch row for 1-D lengths, per
+  query for 2-D), so zero, negative and over-long lengths mean what they mean in
+  multiattn; where the native API takes lengths or a padding mask, 1-D lengths go there:
+  ``key_padding_mask`` of ``torch.nn.MultiheadAttention`` and ``key_value_seq_lengths`` of
+  ``jax.nn.dot_product_attention`` (its second row);
+* ``attention_mask`` (True = may attend): as it is where the native polarity is the same
+  (torch SDPA, Keras, jax, flax, paddle, mlx), inverted (``~mask``) for
+  ``torch.nn.MultiheadAttention``'s ``attn_mask`` / ``key_padding_mask`` (True = may NOT);
+  all masks of one case are ANDed into one where the API takes one;
+* ``causal=True`` (top-left): the native flag where it has the same alignment and can be
+  combined with the case's other masks (torch SDPA and paddle SDPA alone: they refuse or
+  ignore a mask beside it; Keras and jax always), else an explicit lower-triangular mask
+  (``torch.nn.MultiheadAttention``, flax, paddle's layer, mlx, whose ``mask="causal"`` is
+  bottom-right aligned when queries != keys);
+* multi-head layers: built by multiattn's ``MultiHeadAttention.to_native()`` for the
+  case's sizes (4-wide queries, 3-wide keys and values, num_hiddens 4, 2 heads, biases),
+  their parameters then replaced by the battery's canonical weights in the native layout
+  (``multiattn.layers.native``'s converters), as framework tensors, so that gradients
+  reach them (torch ``functional_call``, Keras ``stateless_call``, flax variables, paddle
+  and mlx attributes);
+* ``jax.nn.dot_product_attention`` needs values as wide as the keys: the 3-wide values are
+  zero-padded to the key width and the output's extra columns dropped (exact: the weights
+  are the framework's, each output column is its own weighted sum).
+
+A size a native layer cannot take is a row with status ``unsupported: <why>``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+
+
+class Unsupported(Exception):
+    """A native implementation cannot express the case (its sizes, its arguments)."""
+
+
+# ---------------------------------------------------------------- mask conversions (numpy)
+
+
+def causal_mask(queries: int, keys: int) -> np.ndarray:
+    """(queries, keys) True where query i may see key j: j <= i (top-left, multiattn's)."""
+    return np.arange(keys)[None, :] <= np.arange(queries)[:, None]
+
+
+def lengths_mask(valid_lens: Any, batch: int, queries: int, keys: int) -> np.ndarray:
+    """(batch, queries, keys) True = visible: ``key < length``, lengths (batch,) or (batch, queries)."""
+    lens = np.asarray(valid_lens)
+    lens = lens[:, None] if lens.ndim == 1 else lens
+    return np.broadcast_to(np.arange(keys) < lens[..., None], (batch, queries, keys))
+
+
+def visible(
+    valid_lens: Any, attention_mask: Any, causal: bool, batch: int, queries: int, keys: int
+) -> Optional[np.ndarray]:
+    """(batch, queries, keys) True = may attend: lengths AND mask AND causality; None if
+    nothing is masked (the native no-mask path)."""
+    if valid_lens is None and attention_mask is None and not causal:
+        return None
+    out = np.ones((batch, queries, keys), dtype=bool)
+    if valid_lens is not None:
+        out &= lengths_mask(valid_lens, batch, queries, keys)
+    if attention_mask is not None:
+        out &= np.broadcast_to(np.asarray(attention_mask).astype(bool), out.shape)
+    if causal:
+        out &= causal_mask(queries, keys)
+    return out
+
+
+def torch_mha_masks(
+    valid_lens: Any, attention_mask: Any, causal: bool, batch: int, queries: int, keys: int, num_heads: int
+) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(key_padding_mask (batch, keys), attn_mask (batch * num_heads, queries, keys)) of
+    ``torch.nn.MultiheadAttention``: True = may NOT attend.  1-D lengths become the padding
+    mask; 2-D lengths, the boolean mask and causality the attention mask (None: not given)."""
+    padding = None
+    if valid_lens is not None and np.ndim(valid_lens) == 1:
+        padding = ~(np.arange(keys)[None, :] < np.asarray(valid_lens)[:, None])
+        valid_lens = None
+    allowed = visible(valid_lens, attention_mask, causal, batch, queries, keys)
+    attn = None if allowed is None else np.repeat(~allowed, num_heads, axis=0)  # batch-major, as torch
+    return padding, attn
+
+
+def jax_masks(
+    valid_lens: Any, attention_mask: Any, batch: int, queries: int, keys: int, use_lengths: bool
+) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(mask (batch, 1, queries, keys) True = attend, key_value_seq_lengths (batch,) int32) of
+    ``jax.nn.dot_product_attention`` (causality is its own ``is_causal``).  With use_lengths,
+    1-D lengths go to key_value_seq_lengths (it takes only those); else everything is a mask."""
+    lengths = None
+    if use_lengths and valid_lens is not None and np.ndim(valid_lens) == 1:
+        lengths = np.asarray(valid_lens).astype(np.int32)
+        valid_lens = None
+    allowed = visible(valid_lens, attention_mask, False, batch, queries, keys)
+    return (None if allowed is None else allowed[:, None]), lengths
+
+
+# ------------------------------------------------- canonical weights -> native parameters
+
+
+def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.ndarray]]:
+    """(canonical names in order, {native parameter path: indices into the concatenation of
+    the flattened canonical weights}), from ``multiattn.layers.native``'s converter of the
+    framework; ``Unsupported`` with its message where the layer cannot take cfg's sizes."""
+    from .. import checks
+    from ..layers import native
+
+    to = {"torch": native.torch_to, "tensorflow": native.keras_to, "jax": native.flax_to,
+          "paddle": native.paddle_to, "mlx": native.mlx_to}[framework]  # fmt: skip
+    shapes = checks.multi_head_weight_shapes(cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size,
+                                             cfg.bias)  # fmt: skip
+    index, offset = {}, 0
+    for name, shape in shapes.items():
+        size = int(np.prod(shape))
+        index[name] = np.arange(offset, offset + size, dtype=np.float64).reshape(shape)
+        offset += size
+    try:
+        arrays = to(cfg, index)[1]  # exact: the converters only reshape, transpose and concatenate
+    except ValueError as err:
+        raise Unsupported(str(err)) from None
+    return list(shapes), {path: np.rint(a).astype(np.int64) for path, a in arrays.items()}
+
+
+def _config(queries: Any, keys: Any, values: Any, weights: dict, num_heads: int) -> Any:
+    from ..layers import native
+
+    return native.Config(
+        int(weights["W_q"].shape[0]), int(num_heads), int(queries.shape[-1]), int(keys.shape[-1]),
+        int(values.shape[-1]), "b_q" in weights, 0.0,
+    )  # fmt: skip
+
+
+def native_parameters(
+    framework: str, cfg: Any, weights: dict, concat: Callable, take: Callable, flatten: Callable
+) -> Dict[str, Any]:
+    """The native layer's parameters by path, as framework tensors computed from the canonical
+    ones (differentiable: a gather of their concatenation)."""
+    names, layout = native_layout(framework, cfg)
+    flat = concat([flatten(weights[name]) for name in names])
+    return {path: take(flat, index) for path, index in layout.items()}
+
+
+# ---------------------------------------------------------------- the implementations
+
+
+@dataclass(frozen=True)
+class Implementation:
+    label: str  # the framework's name for it
+    framework: str  # the multiattn backend whose tensors it takes
+    kind: str  # dot_product or multi_head (check.against's kinds)
+    make: Callable[[], Callable]  # -> the wrapper (imports the framework)
+    how: str  # how the wrapper calls it, for the docs
+    version: str = ""  # the module whose __version__ is the row's version (default: the framework)
+
+
+def _torch_sdpa() -> Callable:
+    import torch
+    import torch.nn.functional as F
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+        lens, mask = _numpy(valid_lens), _numpy(attention_mask)
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        if causal and lens is None and mask is None:
+            return F.scaled_dot_product_attention(queries, keys, values, is_causal=True)
+        allowed = visible(lens, mask, causal, B, Q, K)
+        attn_mask = None if allowed is None else torch.from_numpy(allowed)
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=attn_mask)
+
+    return fn
+
+
+def _torch_mha(need_weights: bool) -> Callable[[], Callable]:
+    def make() -> Callable:
+        import torch
+        from torch.func import functional_call
+
+        from ..backends.torch import MultiHeadAttention
+
+        def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+            cfg = _config(queries, keys, values, weights, num_heads)
+            params = native_parameters(
+                "torch", cfg, weights, torch.cat, lambda flat, i: flat[torch.from_numpy(i)],
+                lambda w: w.reshape(-1),
+            )  # fmt: skip
+            layer = MultiHeadAttention(**cfg.kwargs()).to_native(batch_first=True).eval()
+            (B, Q, _), K = queries.shape, keys.shape[1]
+            padding, attn = torch_mha_masks(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K,
+                                            num_heads)  # fmt: skip
+            out, w = functional_call(
+                layer, params, (queries, keys, values),
+                dict(key_padding_mask=None if padding is None else torch.from_numpy(padding),
+                     attn_mask=None if attn is None else torch.from_numpy(attn),
+                     need_weights=need_weights, average_attn_weights=False),
+            )  # fmt: skip
+            return (out, w) if need_weights else out
+
+        return fn
+
+    return make
+
+
+def _keras_ops() -> Callable:
+    import keras
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        mask = visible(_numpy(valid_lens), _numpy(attention_mask), False, B, Q, K)
+        head = keras.ops.expand_dims  # (batch, seq, 1 head, width)
+        out = keras.ops.dot_product_attention(
+            head(queries, 2), head(keys, 2), head(values, 2), mask=None if mask is None else mask[:, None],
+            is_causal=causal,
+        )  # fmt: skip
+        return out[:, :, 0]
+
+    return fn
+
+
+def _keras_mha(scores: bool) -> Callable[[], Callable]:
+    def make() -> Callable:
+        from ..backends.tensorflow import MultiHeadAttention
+        from ..layers import native
+
+        def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+            import tensorflow as tf
+
+            cfg = _config(queries, keys, values, weights, num_heads)
+            params = native_parameters(
+                "tensorflow", cfg, weights, lambda xs: tf.concat(xs, 0), tf.gather,
+                lambda w: tf.reshape(w, [-1]),
+            )  # fmt: skip
+            layer = MultiHeadAttention(**cfg.kwargs(), dtype=queries.dtype.name).to_native()
+            by_variable = {id(native.attribute(layer, path)): value for path, value in params.items()}
+            trainable = [by_variable[id(v)] for v in layer.trainable_variables]
+            (B, Q, _), K = queries.shape, keys.shape[1]
+            mask = visible(_numpy(valid_lens), _numpy(attention_mask), False, B, Q, K)
+            out, _ = layer.stateless_call(
+                trainable, [v.value for v in layer.non_trainable_variables], queries, values, key=keys,
+                attention_mask=mask, use_causal_mask=causal, return_attention_scores=scores, training=False,
+            )  # fmt: skip
+            return tuple(out) if scores else out
+
+        return fn
+
+    return make
+
+
+def _jax_sdpa(use_lengths: bool) -> Callable[[], Callable]:
+    def make() -> Callable:
+        import jax
+        import jax.numpy as jnp
+
+        def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+            (B, Q, _), (_, K, width) = queries.shape, keys.shape
+            mask, lengths = jax_masks(_numpy(valid_lens), _numpy(attention_mask), B, Q, K, use_lengths)
+            extra = width - values.shape[-1]  # jax needs values as wide as the keys: zero columns
+            padded = jnp.pad(values, ((0, 0), (0, 0), (0, max(extra, 0))))
+            out = jax.nn.dot_product_attention(
+                queries[:, :, None], keys[:, :, None], padded[:, :, None],
+                mask=None if mask is None else jnp.asarray(mask), is_causal=causal,
+                key_value_seq_lengths=None if lengths is None else jnp.asarray(lengths),
+            )  # fmt: skip
+            return out[:, :, 0, : values.shape[-1]]
+
+        return fn
+
+    return make
+
+
+def _flax_mha() -> Callable:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from ..backends.jax import MultiHeadAttention
+    from ..layers import native
+
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+        cfg = _config(queries, keys, values, weights, num_heads)
+        params = native_parameters("jax", cfg, weights, jnp.concatenate, lambda f, i: f[i], jnp.ravel)
+        layer = MultiHeadAttention(**cfg.kwargs(), rngs=nnx.Rngs(0), param_dtype=queries.dtype).to_native()
+        for path, value in params.items():
+            native.attribute(layer, path).set_value(value)
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        mask = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
+        out, sown = nnx.capture(layer, nnx.Intermediate)(
+            queries, keys, values, mask=None if mask is None else jnp.asarray(mask[:, None]),
+            deterministic=True, sow_weights=True,
+        )  # fmt: skip
+        (w,) = sown["attention_weights"].get_value()
+        return out, w
+
+    return fn
+
+
+def _paddle_sdpa() -> Callable:
+    import paddle
+    import paddle.nn.functional as F
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+        lens, mask = _numpy(valid_lens), _numpy(attention_mask)
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        head = [queries.unsqueeze(2), keys.unsqueeze(2), values.unsqueeze(2)]  # (batch, seq, 1 head, width)
+        if causal and lens is None and mask is None:  # paddle ignores a mask beside is_causal
+            return F.scaled_dot_product_attention(*head, is_causal=True, training=False)[:, :, 0]
+        allowed = visible(lens, mask, causal, B, Q, K)
+        attn_mask = None if allowed is None else paddle.to_tensor(allowed[:, None])
+        return F.scaled_dot_product_attention(*head, attn_mask=attn_mask, training=False)[:, :, 0]
+
+    return fn
+
+
+def _paddle_mha() -> Callable:
+    import paddle
+
+    from ..backends.paddle import MultiHeadAttention
+    from ..layers import native
+
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+        cfg = _config(queries, keys, values, weights, num_heads)
+        params = native_parameters(
+            "paddle", cfg, weights, lambda xs: paddle.concat(xs, 0),
+            lambda flat, i: paddle.gather(flat, paddle.to_tensor(i.reshape(-1))).reshape(list(i.shape)),
+            lambda w: w.reshape([-1]),
+        )  # fmt: skip
+        layer = MultiHeadAttention(**cfg.kwargs()).to_native()
+        layer.eval()
+        layer.need_weights = True
+        for path, value in params.items():  # a tensor in place of the Parameter: gradients reach it
+            owner_path, name = path.rsplit(".", 1)
+            owner = native.attribute(layer, owner_path)
+            del owner._parameters[name]
+            object.__setattr__(owner, name, value)
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        mask = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
+        return layer(
+            queries, keys, values, attn_mask=None if mask is None else paddle.to_tensor(mask[:, None])
+        )
+
+    return fn
+
+
+def _mlx_sdpa() -> Callable:
+    import mlx.core as mx
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+        lens, mask = _numpy(valid_lens), _numpy(attention_mask)
+        (B, Q, width), K = queries.shape, keys.shape[1]
+        if causal and lens is None and mask is None and Q == K:  # mlx's "causal" is bottom-right aligned
+            native_mask: Any = "causal"
+        else:
+            allowed = visible(lens, mask, causal, B, Q, K)
+            native_mask = None if allowed is None else mx.array(allowed[:, None])
+        out = mx.fast.scaled_dot_product_attention(
+            queries[:, None], keys[:, None], values[:, None], scale=1.0 / math.sqrt(width), mask=native_mask
+        )
+        return out[:, 0]
+
+    return fn
+
+
+def _mlx_mha() -> Callable:
+    import mlx.core as mx
+    from mlx.utils import tree_unflatten
+
+    from ..backends.mlx import MultiHeadAttention
+
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+        cfg = _config(queries, keys, values, weights, num_heads)
+        params = native_parameters(
+            "mlx", cfg, weights, mx.concatenate, lambda f, i: mx.take(f, mx.array(i)), lambda w: w.reshape(-1)
+        )
+        layer = MultiHeadAttention(**cfg.kwargs()).to_native()
+        layer.update(tree_unflatten(list(params.items())))
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        mask = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
+        return layer(queries, keys, values, mask=None if mask is None else mx.array(mask[:, None]))
+
+    return fn
+
+
+def d2l_torch() -> Any:
+    """d2l's torch module (``from d2l import torch as d2l``); ImportError where it is not importable."""
+    return importlib.import_module("d2l.torch")
+
+
+def _d2l_dot_product() -> Callable:
+    d2l = d2l_torch()
+
+    def fn(queries, keys, values, valid_lens):  # d2l takes lengths only
+        attention = d2l.DotProductAttention(dropout=0.0).eval()
+        out = attention(queries, keys, values, valid_lens)
+        return out, attention.attention_weights
+
+    return fn
+
+
+def _d2l_multi_head() -> Callable:
+    import torch
+    from torch.func import functional_call
+
+    d2l = d2l_torch()
+
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads):
+        bias = "b_q" in weights
+        layer = d2l.MultiHeadAttention(int(weights["W_q"].shape[0]), num_heads, 0.0, bias=bias).eval()
+        with torch.no_grad():  # its lazy layers take their sizes from a first call (float32 parameters,
+            layer(queries.detach().float(), keys.detach().float(), values.detach().float(), valid_lens)
+        params = {f"W_{n}.weight": weights[f"W_{n}"] for n in "qkvo"}  # all replaced by the case's)
+        params.update({f"W_{n}.bias": weights[f"b_{n}"] for n in "qkvo"} if bias else {})
+        out = functional_call(layer, params, (queries, keys, values, valid_lens))
+        B, Q, K = queries.shape[0], queries.shape[1], keys.shape[1]
+        return out, layer.attention.attention_weights.reshape(B, num_heads, Q, K)
+
+    return fn
+
+
+_SDPA_CAUSAL = "the native is_causal where causality is the only mask, else an explicit mask"
+IMPLEMENTATIONS: Tuple[Implementation, ...] = (
+    Implementation(
+        "torch.nn.functional.scaled_dot_product_attention",
+        "torch",
+        "dot_product",
+        _torch_sdpa,
+        f"`attn_mask` (bool, True = attend) of lengths AND mask; {_SDPA_CAUSAL} (torch refuses both)",
+    ),
+    Implementation(
+        "torch.nn.MultiheadAttention (need_weights=True)",
+        "torch",
+        "multi_head",
+        _torch_mha(True),
+        "1-D lengths as `key_padding_mask`, the rest as `attn_mask` (batch * heads, queries, keys), both "
+        "inverted (True = may not attend), causality explicit; `average_attn_weights=False`",
+    ),
+    Implementation(
+        "torch.nn.MultiheadAttention (need_weights=False)",
+        "torch",
+        "multi_head",
+        _torch_mha(False),
+        "as with need_weights=True; output only",
+    ),
+    Implementation(
+        "keras.ops.dot_product_attention",
+        "tensorflow",
+        "dot_product",
+        _keras_ops,
+        "`mask` (True = attend) of lengths AND mask, `is_causal`",
+        "keras",
+    ),
+    Implementation(
+        "keras.layers.MultiHeadAttention (return_attention_scores=True)",
+        "tensorflow",
+        "multi_head",
+        _keras_mha(True),
+        "`attention_mask` (True = attend) of lengths AND mask, `use_causal_mask`",
+        "keras",
+    ),
+    Implementation(
+        "keras.layers.MultiHeadAttention (return_attention_scores=False)",
+        "tensorflow",
+        "multi_head",
+        _keras_mha(False),
+        "as with return_attention_scores=True; output only (Keras then calls "
+        "`keras.ops.dot_product_attention`)",
+        "keras",
+    ),
+    Implementation(
+        "jax.nn.dot_product_attention (mask=)",
+        "jax",
+        "dot_product",
+        _jax_sdpa(False),
+        "`mask` (True = attend) of lengths AND mask, `is_causal`; values zero-padded to the key width",
+    ),
+    Implementation(
+        "jax.nn.dot_product_attention (key_value_seq_lengths=)",
+        "jax",
+        "dot_product",
+        _jax_sdpa(True),
+        "1-D lengths as `key_value_seq_lengths`, 2-D lengths and the mask as `mask`, `is_causal`; values "
+        "zero-padded to the key width",
+    ),
+    Implementation(
+        "flax.nnx.MultiHeadAttention",
+        "jax",
+        "multi_head",
+        _flax_mha,
+        "`mask` (True = attend) of lengths AND mask AND causality; weights by `sow_weights=True`",
+        "flax",
+    ),
+    Implementation(
+        "paddle.nn.functional.scaled_dot_product_attention",
+        "paddle",
+        "dot_product",
+        _paddle_sdpa,
+        f"`attn_mask` (bool, True = attend) of lengths AND mask; {_SDPA_CAUSAL} (paddle ignores the mask "
+        "beside is_causal)",
+    ),
+    Implementation(
+        "paddle.nn.MultiHeadAttention",
+        "paddle",
+        "multi_head",
+        _paddle_mha,
+        "`attn_mask` (bool, True = attend) of lengths AND mask AND causality; `need_weights=True`",
+    ),
+    Implementation(
+        "mlx.core.fast.scaled_dot_product_attention",
+        "mlx",
+        "dot_product",
+        _mlx_sdpa,
+        '`mask` (bool, True = attend) of lengths AND mask AND causality (its `"causal"` is bottom-right '
+        "aligned), `scale=1/sqrt(d)`",
+    ),
+    Implementation(
+        "mlx.nn.MultiHeadAttention",
+        "mlx",
+        "multi_head",
+        _mlx_mha,
+        "`mask` (bool, True = attend) of lengths AND mask AND causality; output only",
+    ),
+    Implementation(
+        "d2l.torch.DotProductAttention",
+        "torch",
+        "dot_product",
+        _d2l_dot_product,
+        "valid_lens as they are (d2l takes no other mask)",
+        "d2l",
+    ),
+    Implementation(
+        "d2l.torch.MultiHeadAttention",
+        "torch",
+        "multi_head",
+        _d2l_multi_head,
+        "valid_lens as they are; the canonical weights are d2l's `W_q`, ..., `W_o` (`nn.LazyLinear`)",
+        "d2l",
+    ),
+)
+FRAMEWORKS = tuple(dict.fromkeys(impl.framework for impl in IMPLEMENTATIONS))
+
+
+def implementations(framework: Optional[str] = None) -> List[Implementation]:
+    return [impl for impl in IMPLEMENTATIONS if framework is None or impl.framework == framework]
+
+
+def absent(framework: str) -> Dict[str, str]:
+    """label -> why, for the implementations of framework that cannot be imported here (d2l)."""
+    out = {}
+    for impl in implementations(framework):
+        if impl.version == "d2l":
+            try:
+                d2l_torch()
+            except Exception as err:
+                out[impl.label] = f"{type(err).__name__}: {err}"
+    return out
+
+
+def _numpy(tensor: Any) -> Optional[np.ndarray]:
+    """A mask or lengths argument as numpy (they never need gradients); None stays None."""
+    if tensor is None:
+        return None
+    if hasattr(tensor, "detach"):  # torch, paddle
+        tensor = tensor.detach()
+        tensor = tensor.cpu() if hasattr(tensor, "cpu") else tensor
+    return np.asarray(tensor.numpy() if hasattr(tensor, "numpy") else tensor)
+
+
+def implementation_version(impl: Implementation) -> str:
+    from .worker import framework_version
+
+    if impl.version:
+        module = sys.modules.get(impl.version) or importlib.import_module(impl.version)
+        return str(getattr(module, "__version__", "?"))
+    return framework_version(impl.framework)
