@@ -146,13 +146,18 @@ def torch_from(
     return cfg, _canonical(W, b, bias)
 
 
+def _check_embed_dim(framework: str, cfg: Config) -> None:
+    """torch's and paddle's layers have one width, embed_dim, for queries, projections, output."""
+    if cfg.query_size != cfg.num_hiddens:
+        raise _needs(
+            framework, "query_size == num_hiddens (embed_dim: its query width is its projection and "
+            "output width)", query_size=cfg.query_size, num_hiddens=cfg.num_hiddens,
+        )  # fmt: skip
+
+
 def torch_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
     h = cfg.num_hiddens
-    if cfg.query_size != h:
-        raise _needs(
-            TORCH, "query_size == num_hiddens (embed_dim: its query width is its projection and output "
-            "width)", query_size=cfg.query_size, num_hiddens=h,
-        )  # fmt: skip
+    _check_embed_dim(TORCH, cfg)
     w = _weights(cfg, weights)
     kwargs = dict(
         embed_dim=h, num_heads=cfg.num_heads, dropout=cfg.dropout, bias=cfg.bias,
@@ -340,11 +345,7 @@ def paddle_from(
 
 def paddle_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
     h = cfg.num_hiddens
-    if cfg.query_size != h:
-        raise _needs(
-            PADDLE, "query_size == num_hiddens (embed_dim: its query width is its projection and output "
-            "width)", query_size=cfg.query_size, num_hiddens=h,
-        )  # fmt: skip
+    _check_embed_dim(PADDLE, cfg)
     w = _weights(cfg, weights)
     kwargs = dict(
         embed_dim=h, num_heads=cfg.num_heads, dropout=cfg.dropout, kdim=cfg.key_size, vdim=cfg.value_size,
