@@ -158,6 +158,20 @@ class AttentionCall:
     query_size: Optional[int] = None
     key_size: Optional[int] = None
 
+    _weight_field = "weight"  # what the framework's linear map calls its matrix (flax: kernel)
+
+    def _linear_and_field(self, name: str) -> Tuple[Any, str]:
+        """Where the parameter of a canonical name lives, for layers made of linear maps:
+        W_q and b_q are the matrix and bias of the map W_q; w_v is its own map's matrix."""
+        if name.startswith("b_"):
+            return getattr(self, "W_" + name[2:]), "bias"
+        return getattr(self, name), self._weight_field
+
+    def _variable(self, name: str) -> Any:
+        """The framework's parameter of a canonical name (see ``_linear_and_field``)."""
+        linear, field = self._linear_and_field(name)
+        return getattr(linear, field)
+
     def _check(self, queries, keys, values, valid_lens, attention_mask):
         self._ops.check_tensors(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask

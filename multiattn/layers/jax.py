@@ -42,11 +42,7 @@ class _Module(AttentionCall, nnx.Module):
         """The weights before dropout of the last call (eager or nnx.jit)."""
         return self._attention_weights.get_value()
 
-    def _variable(self, name: str) -> nnx.Param:
-        # W_q and b_q are the kernel and bias of the nnx.Linear W_q; kernels are (in, out)
-        if name.startswith("b_"):
-            return getattr(self, "W_" + name[2:]).bias
-        return getattr(self, name).kernel
+    _weight_field = "kernel"  # nnx.Linear's matrix, stored (in, out)
 
     def _parameter(self, name):
         return self._variable(name)[...]

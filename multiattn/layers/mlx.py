@@ -38,14 +38,11 @@ class _Layer(AttentionCall, nn.Module):
         return self.dropout if self.training and self._rate > 0 else None
 
     def _parameter(self, name):
-        # W_q and b_q are the weight and bias of the nn.Linear W_q
-        if name.startswith("b_"):
-            return getattr(self, "W_" + name[2:]).bias
-        return getattr(self, name).weight
+        return self._variable(name)
 
     def _assign(self, name, value):
-        linear = getattr(self, "W_" + name[2:] if name.startswith("b_") else name)
-        field = "bias" if name.startswith("b_") else "weight"
+        # mlx arrays are immutable: the linear map gets a new one
+        linear, field = self._linear_and_field(name)
         current = getattr(linear, field)
         setattr(linear, field, from_numpy(value.reshape(current.shape)).astype(current.dtype))
 

@@ -28,17 +28,11 @@ class _Block(AttentionCall, nn.Block):
         # Gluon's Block.__call__ passes positional arguments only
         return super().__call__(queries, keys, values, valid_lens, attention_mask, causal)
 
-    def _param(self, name):
-        # W_q and b_q are the weight and bias of the nn.Dense W_q
-        if name.startswith("b_"):
-            return getattr(self, "W_" + name[2:]).bias
-        return getattr(self, name).weight
-
     def _parameter(self, name):
-        return self._param(name).data()
+        return self._variable(name).data()
 
     def _assign(self, name, value):
-        param = self._param(name)
+        param = self._variable(name)
         param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
 
 

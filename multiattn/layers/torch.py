@@ -38,10 +38,7 @@ class _Layer(AttentionCall, nn.Module):
         return state
 
     def _parameter(self, name):
-        # W_q and b_q are the weight and bias of the nn.Linear W_q; w_v is its own Linear's weight
-        if name.startswith("b_"):
-            return getattr(self, "W_" + name[2:]).bias
-        return getattr(self, name).weight
+        return self._variable(name)
 
     def _assign(self, name, value):
         param = self._parameter(name)
