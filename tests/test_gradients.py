@@ -88,6 +88,16 @@ def backend_grads(bk, function, mask, dtype):
     return {n: np.asarray(bk.numpy(g), dtype=np.float64) for n, g in zip(names, grads)}
 
 
+def assert_gradients_close(bk, got, want, dtype):
+    # finite differences are good to ~1e-8; float32 kernels to a few 1e-6
+    tol = max(tolerance(bk.name, dtype) * 10, 1e-7)
+    for name in want:
+        scale = max(1.0, float(np.abs(want[name]).max()))
+        err = float(np.abs(got[name] - want[name]).max())
+        assert not np.isnan(got[name]).any(), f"NaN in the gradient of {name}"
+        assert err <= tol * scale, f"gradient of {name}: max abs error {err:.3g} > {tol * scale:.3g}"
+
+
 def needs_autodiff(bk):
     if bk.module.vjp is None:
         pytest.xfail(f"{bk.name} has no autodiff")
@@ -103,13 +113,7 @@ def test_gradients_match_finite_differences(bk, function, mask, dtype, monkeypat
     monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
     got = backend_grads(bk, function, mask, dtype)
     want = finite_differences(function, mask)
-    # finite differences are good to ~1e-8; float32 kernels to a few 1e-6
-    tol = max(tolerance(bk.name, dtype) * 10, 1e-7)
-    for name in want:
-        scale = max(1.0, float(np.abs(want[name]).max()))
-        err = float(np.abs(got[name] - want[name]).max())
-        assert not np.isnan(got[name]).any(), f"NaN in the gradient of {name}"
-        assert err <= tol * scale, f"gradient of {name}: max abs error {err:.3g} > {tol * scale:.3g}"
+    assert_gradients_close(bk, got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -234,9 +238,4 @@ def test_gradients_with_masks_match_finite_differences(bk, function, case, dtype
     monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
     got = masked_backend_grads(bk, function, case, dtype)
     want = masked_finite_differences(function, case)
-    tol = max(tolerance(bk.name, dtype) * 10, 1e-7)
-    for name in want:
-        scale = max(1.0, float(np.abs(want[name]).max()))
-        err = float(np.abs(got[name] - want[name]).max())
-        assert not np.isnan(got[name]).any(), f"NaN in the gradient of {name}"
-        assert err <= tol * scale, f"gradient of {name}: max abs error {err:.3g} > {tol * scale:.3g}"
+    assert_gradients_close(bk, got, want, dtype)
