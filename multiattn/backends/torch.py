@@ -71,7 +71,7 @@ class TorchOps(Ops):
             a, b = a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:])
             return self.scaled_matmul_t(a, b, scale).view(*batch, a.shape[-2], b.shape[-2])
         # the scale inside the GEMM (alpha): no pass over either operand; beta=0 ignores input
-        return torch.baddbmm(_constant(0.0, a), a, b.transpose(-1, -2), beta=0, alpha=scale)
+        return torch.baddbmm(_constant(0.0, a), a, b.mT, beta=0, alpha=scale)
 
     def tanh(self, x):
         return torch.tanh(x)
@@ -156,10 +156,15 @@ class TorchOps(Ops):
         return x.to(like.dtype)
 
     def where_owned(self, mask, x, fill):
-        # in place unless autograd tracks x; small x: one torch.where costs less than ~mask and a fill
-        if x.numel() < SMALL_ELEMENTS or (x.requires_grad and torch.is_grad_enabled()):
+        # in place unless autograd tracks x (out= has no backward) or a compiler plans the buffers
+        if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
             return torch.where(mask, x, _constant(fill, x))
-        return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x)
+        if x.numel() >= SMALL_ELEMENTS:
+            return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x) when large
+        try:
+            return torch.where(mask, x, _constant(fill, x), out=x)  # small: cheaper than ~mask and a fill
+        except RuntimeError:  # torch.func.vmap has no batching rule for out=
+            return torch.where(mask, x, _constant(fill, x))
 
     def host_lengths(self, x, lens):
         # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
