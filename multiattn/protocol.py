@@ -222,8 +222,10 @@ class Ops:
         clipped.  uniform: x holds softmax weights with one value per row in the padding,
         so a sequence whose padding already equals fill (0: exp underflowed) is skipped.
         This default needs slice assignment (numpy, torch, paddle)."""
-        n_keys = self.shape(x)[-1]
-        if uniform:
+        shape = self.shape(x)
+        n_keys = shape[-1]
+        # small x: writing every padding slice costs less than the test that skips some
+        if uniform and math.prod(shape) >= SKIP_TEST_MIN_ELEMENTS:
             # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
             done = (x[..., -1] <= fill).reshape(len(lengths), -1).all(1).tolist()
             lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
@@ -248,6 +250,9 @@ class Ops:
         """Whether x holds no NaN or inf (read on the host: only with ``host_lengths``)."""
         return math.isfinite(float(x.sum()))
 
+
+# From this many weights the test for padding that is 0 already pays for itself.
+SKIP_TEST_MIN_ELEMENTS = 1 << 14
 
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
