@@ -282,6 +282,20 @@ def adapter_problems(cls: type) -> List[str]:
     return problems
 
 
+def dtype_kind_by_dtype(kind_of: Callable[[Any], str]) -> Callable[[Ops, Tensor], str]:
+    """An ``Ops.dtype_kind`` that asks ``kind_of(dtype)`` once per dtype: the checks read the
+    kind of every argument on every call, and some frameworks' dtype predicates cost a few us."""
+    kinds: dict = {}
+
+    def dtype_kind(self: Ops, x: Tensor) -> str:
+        kind = kinds.get(x.dtype)
+        if kind is None:
+            kind = kinds[x.dtype] = kind_of(x.dtype)
+        return kind
+
+    return dtype_kind
+
+
 def per_row(lens: Tensor) -> Tensor:
     """Lengths (B,) as (B, 1, 1), (B, Q) as (B, Q, 1): against positions (K,) they give the
     (B, 1|Q, K) mask of ``length_mask``."""

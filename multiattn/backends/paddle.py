@@ -32,7 +32,7 @@ from paddle import nn  # noqa: E402
 
 from .. import _registry, checks, core, functional, layers, protocol, strategies  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import Ops, layer_exports, per_row  # noqa: E402
+from ..protocol import Ops, dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
 _NO_HALF = "paddle's CPU build has no float16/bfloat16 kernels for {}"
@@ -49,20 +49,24 @@ DTYPE_NOTES = {
 _HALF = (paddle.float16, paddle.bfloat16)
 
 
+def _kind(dtype: Any) -> str:
+    if dtype == paddle.bool:
+        return "b"
+    if paddle.is_complex(paddle.zeros([0], dtype=dtype)):
+        return "c"
+    if paddle.is_floating_point(paddle.zeros([0], dtype=dtype)):
+        return "f"
+    return "u" if dtype == paddle.uint8 else "i"
+
+
 class PaddleOps(Ops):
     name = "paddle"
 
     def shape(self, x):
         return tuple(None if d is None or d < 0 else d for d in x.shape)
 
-    def dtype_kind(self, x):
-        if x.dtype == paddle.bool:
-            return "b"
-        if paddle.is_complex(x):
-            return "c"
-        if paddle.is_floating_point(x):
-            return "f"
-        return "u" if x.dtype == paddle.uint8 else "i"
+    # once per dtype: paddle's is_floating_point and is_complex cost microseconds per call
+    dtype_kind = dtype_kind_by_dtype(lambda dtype: _kind(dtype))
 
     def zeros(self, shape, like):
         return paddle.zeros(shape, dtype=like.dtype)

@@ -10,13 +10,22 @@ from torch.nn import functional as F
 
 from .._machine import l2_cache_bytes, measured_faster
 from ..functional import bind
-from ..protocol import Ops, layer_exports
+from ..protocol import Ops, dtype_kind_by_dtype, layer_exports
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
 
 _HALF = (torch.float16, torch.bfloat16)
-_KINDS: dict = {}  # dtype -> numpy kind letter, filled on first use (dtype checks run on every call)
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "b"
+    if dtype.is_complex:
+        return "c"
+    if dtype.is_floating_point:
+        return "f"
+    return "u" if dtype == torch.uint8 else "i"
 
 
 class TorchOps(Ops):
@@ -30,18 +39,7 @@ class TorchOps(Ops):
     def shape(self, x):
         return x.shape  # a torch.Size, which is a tuple
 
-    def dtype_kind(self, x):
-        return _KINDS.get(x.dtype) or _KINDS.setdefault(x.dtype, self._kind(x.dtype))
-
-    @staticmethod
-    def _kind(dtype):
-        if dtype == torch.bool:
-            return "b"
-        if dtype.is_complex:
-            return "c"
-        if dtype.is_floating_point:
-            return "f"
-        return "u" if dtype == torch.uint8 else "i"
+    dtype_kind = dtype_kind_by_dtype(lambda dtype: _kind(dtype))  # the checks read it on every call
 
     def zeros(self, shape, like):
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
