@@ -172,12 +172,17 @@ def time_backend(backend: str, sizes: list, min_time: float) -> dict:
                     _sync(backend, fn(*args))
             # Round robin, one call of each implementation per round: a slow spell of the
             # machine (a noisy neighbour on a shared VM) hits all of them alike, not just one.
+            # The order rotates each round: the first call of a round can be the fastest (mlx's
+            # toy calls: 26 us first, 64 us after another call), so each takes every place.
             samples: dict = {name: [] for name in fns}
+            names = list(fns)
             start = time.perf_counter()
             while len(samples["textbook"]) < 5 or (
                 time.perf_counter() - start < min_time * len(fns) and len(samples["textbook"]) < 200
             ):
-                for name, fn in fns.items():
+                shift = len(samples["textbook"]) % len(names)
+                for name in names[shift:] + names[:shift]:
+                    fn = fns[name]
                     t0 = time.perf_counter()
                     _sync(backend, fn(*args))
                     samples[name].append(time.perf_counter() - t0)
