@@ -186,8 +186,24 @@ def _view(x, shape):
 def _sequence_mask(x, lengths: onp.ndarray, fill: float, out=None):
     """x with the positions >= lengths (one per row of axis 0) of axis 1 set to fill
     (written into out where given, which may be x itself)."""
-    lengths = np.array(lengths, dtype="int32")
-    return npx.sequence_mask(x, lengths, use_sequence_length=True, value=fill, axis=1, out=out)
+    return npx.sequence_mask(
+        x, _device_lengths(lengths), use_sequence_length=True, value=fill, axis=1, out=out
+    )
+
+
+_DEVICE_LENGTHS: dict = {}
+
+
+def _device_lengths(lengths: onp.ndarray):
+    """lengths as an mxnet int32 array, the last few kept: making one costs about as much as
+    the sequence mask itself, and a call masks the scores, the weights and the values."""
+    key = lengths.astype("int32").tobytes()
+    array = _DEVICE_LENGTHS.get(key)
+    if array is None:
+        if len(_DEVICE_LENGTHS) >= 8:
+            _DEVICE_LENGTHS.clear()
+        array = _DEVICE_LENGTHS[key] = np.array(lengths, dtype="int32")
+    return array
 
 
 ops = MxnetOps()
