@@ -196,6 +196,23 @@ class Ops:
         boolean (B, 1|Q, K).  The strategies zero fully masked rows and padding themselves."""
         raise NotImplementedError(f"{self.name} has no fused attention kernel (can_fuse is False)")
 
+    def visible_key_lengths(
+        self, queries: Tensor, keys: Tensor, values: Tensor, lens: Tensor
+    ) -> Optional[list]:
+        """lens (B,) as Python numbers where ``attend_visible_keys`` takes these inputs (B, [H,]
+        n, d) and pays for its loop over the sequences; None where it does not (the default)."""
+        return None
+
+    def attend_visible_keys(
+        self, queries: Tensor, keys: Tensor, values: Tensor, lengths: list, scale: float
+    ) -> Tuple[Tensor, Tensor]:
+        """(output, weights) of dot-product attention in which sequence b attends over its first
+        lengths[b] keys only (lengths from ``visible_key_lengths``, clipped): the other keys'
+        scores are never made, their weights are 0, and a sequence with none visible gives 0.
+        Where the visible scores of a row are not finite the answer may differ from ``core``'s
+        (the strategies check the output)."""
+        raise NotImplementedError(f"{self.name} has no attend_visible_keys (visible_key_lengths is None)")
+
     def softmax_owned(self, x: Tensor) -> Tensor:
         """``softmax`` of scores the core made itself and no longer needs: the result may
         take x's memory (where autograd does not need x)."""

@@ -10,6 +10,9 @@ optional steps of ``protocol.Ops``:
 * **padding written directly** (``ops.host_lengths`` gives the lengths): the masked
   scores and weights are set by ``ops.fill_padding`` (one slice per sequence, or the
   framework's kernel) instead of two masked passes over every score;
+* **each sequence over its visible keys** (``ops.visible_key_lengths`` gives the lengths,
+  which hide at least ``1 - VISIBLE_KEYS_MAX_SHARE`` of the keys): the padded keys' scores are
+  never made (``ops.attend_visible_keys``);
 * **masked where in the scores' memory**: ``core``'s masked softmax with
   ``where_owned``/``softmax_owned``, which may reuse the scores the core made itself;
 * **additive scores in blocks of queries** (above ``ops.feature_block_elements``):
@@ -218,6 +221,11 @@ def scaled_dot_product(
     masked softmax and the pooling (``attend``)."""
     if not need_weights and dropout is None and _fuses(ops, queries, keys, values):
         return fused_attention(ops, queries, keys, values, masks, scale), None
+    lengths = _visible_key_lengths(ops, queries, keys, values, masks) if dropout is None else None
+    if lengths is not None:
+        out, weights = ops.attend_visible_keys(queries, keys, values, lengths, scale)
+        if ops.all_finite(out):  # else some visible scores or values are not finite: core's way
+            return out, (weights if need_weights else None)
     scores = ops.scaled_matmul_t(queries, keys, scale)
     out, weights = attend(ops, scores, values, masks, dropout, need_weights)
     return out, (weights if need_weights else None)
@@ -346,6 +354,26 @@ def _checked_masks(
         return NO_MASKS if valid_lens is None else Masks(valid_lens)
     checks.check_causal(causal)
     return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
+
+
+# Attending each sequence over its visible keys pays for the loop's smaller products only
+# where the batch hides at least this share of its keys (measured on torch).
+VISIBLE_KEYS_MAX_SHARE = 0.85
+
+
+def _visible_key_lengths(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks
+) -> Optional[list]:
+    """The clipped lengths where ``ops.attend_visible_keys`` runs: lengths alone, one per
+    sequence, which hide enough of the keys; else None."""
+    if not masks.only_lengths:
+        return None
+    raw = ops.visible_key_lengths(queries, keys, values, masks.valid_lens)
+    if raw is None:
+        return None
+    n_keys = ops.shape(keys)[-2]
+    lengths = clip_lengths(raw, n_keys)
+    return lengths if sum(lengths) <= VISIBLE_KEYS_MAX_SHARE * n_keys * len(lengths) else None
 
 
 def _fuses(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor) -> bool:

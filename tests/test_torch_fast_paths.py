@@ -309,3 +309,148 @@ def test_the_sigmoid_calibration_runs_under_vmap_and_no_grad(monkeypatch):
         got = vmap(one)(*(torch.tensor(a) for a in (q, k, v, lens)))
     assert _machine._MEASURED, "the calibration did not run"
     np.testing.assert_allclose(got.numpy(), ref.additive_attention(q, k, v, lens, *W)[0], rtol=1e-12)
+
+
+# --- each sequence over its visible keys -----------------------------------------------------
+
+
+@pytest.fixture
+def visible(monkeypatch):
+    """Every size takes the visible-keys path; the list records each call's lengths."""
+    from multiattn import strategies
+
+    m = _module()
+    calls: list = []
+    real = m.TorchOps.attend_visible_keys
+
+    def spy(self, queries, keys, values, lengths, scale):
+        calls.append(list(lengths))
+        return real(self, queries, keys, values, lengths, scale)
+
+    monkeypatch.setattr(m, "VISIBLE_KEYS_MIN_SEQUENCE_SCORES", 0)
+    monkeypatch.setattr(strategies, "VISIBLE_KEYS_MAX_SHARE", 1.0)
+    monkeypatch.setattr(m.TorchOps, "attend_visible_keys", spy)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_visible_keys_match_the_reference(visible, dtype):
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(31)
+    B, Q, K = len(LENS), 3, 7
+    q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 2))
+    tq, tk, tv = _tensors(dtype, q, k, v)
+    rounded = [t.double().numpy() for t in (tq, tk, tv)]
+    want_out, want = ref.dot_product_attention(*rounded, LENS)
+    with torch.no_grad():
+        out, got = m.dot_product_attention(tq, tk, tv, torch.tensor(LENS), return_weights=True)
+        fast = m.dot_product_attention(tq, tk, tv, torch.tensor(LENS))
+    assert visible == [[0, 0, 3, 7, 7]] * 2, "the visible-keys path did not run, or misread the lengths"
+    assert got.dtype == out.dtype == tq.dtype
+    tol = tolerance("torch", dtype)
+    np.testing.assert_allclose(got.double().numpy(), want, atol=tol * 4)
+    for result in (out, fast):
+        np.testing.assert_allclose(result.double().numpy(), want_out, atol=tol * 4)
+    for b, n in enumerate(LENS):
+        assert np.all(got.numpy()[b, :, max(n, 0) :] == 0.0)  # exactly, not tiny
+
+
+def test_visible_keys_per_head_match_the_reference(visible):
+    # multi-head attention: (B, H, Q, K) scores, one length per sequence shared by its heads
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(32)
+    B, Q, K, h, heads = len(LENS), 3, 7, 8, 2
+    q, k, v = rng.normal(size=(B, Q, 5)), rng.normal(size=(B, K, 6)), rng.normal(size=(B, K, 4))
+    weights = {
+        name: rng.normal(size=(h, width)) for name, width in (("W_q", 5), ("W_k", 6), ("W_v", 4), ("W_o", h))
+    }
+    want_out, want = ref.multi_head_attention(q, k, v, LENS, weights, heads)
+    with torch.no_grad():
+        out, got = m.multi_head_attention(
+            *_tensors("float64", q, k, v), torch.tensor(LENS),
+            weights={n: torch.tensor(w) for n, w in weights.items()}, num_heads=heads, return_weights=True,
+        )  # fmt: skip
+    assert visible == [[0, 0, 3, 7, 7]]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
+def test_visible_keys_never_read_the_padding(visible, poison):
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(33)
+    q, k, v = rng.normal(size=(3, 4, 4)), rng.normal(size=(3, 6, 4)), rng.normal(size=(3, 6, 3))
+    lens = np.array([2, 0, 5])
+    want_out, want = ref.dot_product_attention(q, k, v, lens)
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = poison, poison
+    with torch.no_grad():
+        out, got = m.dot_product_attention(
+            *_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True
+        )
+    assert visible
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("poison", [np.inf, np.nan])
+def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monkeypatch, poison):
+    # visible scores all -inf: the math gives exact zeros where the loop's softmax gives NaN;
+    # the output is not finite, so the strategy answers as the core does
+    import torch
+
+    from multiattn import core
+
+    m = _module()
+    q = np.zeros((2, 2, 2))
+    q[:, 0, 0] = poison
+    q[:, 1] = 1.0
+    k = -np.abs(np.random.default_rng(34).normal(size=(2, 5, 2))) - 0.5
+    v = np.random.default_rng(35).normal(size=(2, 5, 3))
+    args = _tensors("float64", q, k, v) + [torch.tensor([3, 5])]
+    with torch.no_grad():
+        got = m.dot_product_attention(*args, return_weights=True)
+        want = core.dot_product_attention(m.ops, *args)
+    assert visible  # it ran, and was not taken
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():
+    import torch
+
+    from multiattn import strategies
+
+    m = _module()
+    q, k, v = torch.zeros(2, 512, 8), torch.zeros(2, 512, 8), torch.zeros(2, 512, 3)
+    lens = torch.tensor([100, 512])
+    with torch.no_grad():
+        assert m.ops.visible_key_lengths(q, k, v, lens) == [100, 512]  # 256K scores per sequence
+        assert m.ops.visible_key_lengths(q[:, :4], k[:, :4], v[:, :4], lens) is None  # 16 per sequence
+        assert m.ops.visible_key_lengths(q.half(), k.half(), v.half(), lens) is None  # float32 math
+        assert m.ops.visible_key_lengths(q, k, v, lens[:, None].expand(2, 512)) is None  # per query
+        masks = strategies.Masks(torch.tensor([500, 512]))  # hides 1% of the keys: not worth it
+        assert strategies._visible_key_lengths(m.ops, q, k, v, masks) is None
+        masks = strategies.Masks(torch.tensor([100, 512]))
+        assert strategies._visible_key_lengths(m.ops, q, k, v, masks) == [100, 512]
+    assert m.ops.visible_key_lengths(q.clone().requires_grad_(), k, v, lens) is None  # out= has no backward
+    with torch.no_grad():
+        # torch.func.vmap wraps its tensors and refuses out=: declined, the other paths run
+        declined = torch.func.vmap(lambda x: torch.tensor(m.ops.visible_key_lengths(x, k, v, lens) is None))
+        assert declined(q[None].expand(2, -1, -1, -1)).all()
+
+
+def test_the_default_protocol_declines_the_visible_keys_path():
+    import torch
+
+    from multiattn.protocol import Ops
+
+    m = _module()
+    big = torch.zeros(2, 512, 8)
+    assert Ops.visible_key_lengths(m.ops, big, big, big, torch.tensor([1, 2])) is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import numpy as np
@@ -168,6 +169,54 @@ class TorchOps(Ops):
         # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
         return _sliceable_lengths(x, lens)
 
+    def visible_key_lengths(self, queries, keys, values, lens):
+        # one sequence's products run below the batch's rate: they pay on large sequences only
+        heads = queries.shape[1] if queries.dim() == 4 else 1
+        if heads * queries.shape[-2] * keys.shape[-2] < VISIBLE_KEYS_MIN_SEQUENCE_SCORES:
+            return None
+        if not (
+            queries.dtype in _FULL
+            and queries.is_cpu
+            and keys.is_cpu
+            and values.is_cpu
+            and not (
+                torch.is_grad_enabled()
+                and (queries.requires_grad or keys.requires_grad or values.requires_grad)
+            )
+            and not _transformed(queries)  # vmap and grad transforms have no out=
+            and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()
+            and lens.dim() == 1
+            and lens.is_cpu
+        ):
+            return None
+        return lens.tolist()
+
+    def attend_visible_keys(self, queries, keys, values, lengths, scale):
+        # per sequence: its scores in one reused contiguous buffer, then copied into the
+        # weights; 3-D inputs as 2-D products (MKL's own threading), which held up beside a
+        # busy process where bmm and a strided softmax did not (benchmarks/RESULTS.md)
+        gemm, product = (torch.addmm, torch.mm) if queries.dim() == 3 else (torch.baddbmm, torch.bmm)
+        rows = queries.shape[1:-1]  # (Q,) or (H, Q)
+        per_key = math.prod(rows)
+        n_keys = keys.shape[-2]
+        weights = queries.new_empty(*queries.shape[:-1], n_keys)
+        out = queries.new_empty(*queries.shape[:-1], values.shape[-1])
+        buffer = queries.new_empty(per_key * max(lengths))
+        for b, n in enumerate(lengths):
+            if n == 0:  # nothing visible: 0
+                weights[b] = 0.0
+                out[b] = 0.0
+                continue
+            scores = buffer[: per_key * n].view(*rows, n)
+            gemm(scores, queries[b], keys[b, ..., :n, :].mT, beta=0, alpha=scale, out=scores)
+            torch.softmax(scores, dim=-1, out=scores)
+            product(scores, values[b, ..., :n, :], out=out[b])
+            weights[b, ..., :n] = scores
+            if n < n_keys:
+                weights[b, ..., n:] = 0.0
+        return out, weights
+
     def copy(self, x):
         return x.clone()
 
@@ -187,6 +236,13 @@ class TorchOps(Ops):
         )
         return out.squeeze(1)
 
+
+# Below this many scores per sequence the loop over the sequences' visible keys costs more
+# than its smaller products save.
+VISIBLE_KEYS_MIN_SEQUENCE_SCORES = 1 << 16
+_FULL = (torch.float32, torch.float64)
+# vmap and grad transforms wrap their tensors (and refuse out=); without the test: decline
+_transformed = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: True)
 
 # Below this many scores per sequence the per-slice Python and kernel cost (a few us per
 # sequence) exceeds a masked pass over all of them.
