@@ -444,6 +444,10 @@ def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():
         # torch.func.vmap wraps its tensors and refuses out=: declined, the other paths run
         declined = torch.func.vmap(lambda x: torch.tensor(m.ops.visible_key_lengths(x, k, v, lens) is None))
         assert declined(q[None].expand(2, -1, -1, -1)).all()
+        keys_only = torch.func.vmap(lambda y: torch.tensor(m.ops.visible_key_lengths(q, y, v, lens) is None))
+        assert keys_only(k[None].expand(2, -1, -1, -1)).all()
+        lens_only = torch.func.vmap(lambda n: torch.tensor(m.ops.visible_key_lengths(q, k, v, n) is None))
+        assert lens_only(lens[None].expand(2, -1)).all()
 
 
 def test_the_default_protocol_declines_the_visible_keys_path():

@@ -197,7 +197,7 @@ _DEVICE_LENGTHS: dict = {}
 def _device_lengths(lengths: onp.ndarray):
     """lengths as an mxnet int32 array, the last few kept: making one costs about as much as
     the sequence mask itself, and a call masks the scores, the weights and the values."""
-    key = lengths.astype("int32").tobytes()
+    key = (lengths.astype("int32").tobytes(), str(npx.current_context()))
     array = _DEVICE_LENGTHS.get(key)
     if array is None:
         if len(_DEVICE_LENGTHS) >= 8:

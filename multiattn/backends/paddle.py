@@ -66,7 +66,7 @@ class PaddleOps(Ops):
         return tuple(None if d is None or d < 0 else d for d in x.shape)
 
     # once per dtype: paddle's is_floating_point and is_complex cost microseconds per call
-    dtype_kind = dtype_kind_by_dtype(lambda dtype: _kind(dtype))
+    dtype_kind = dtype_kind_by_dtype(_kind)
 
     def zeros(self, shape, like):
         return paddle.zeros(shape, dtype=like.dtype)

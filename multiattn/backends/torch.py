@@ -40,7 +40,7 @@ class TorchOps(Ops):
     def shape(self, x):
         return x.shape  # a torch.Size, which is a tuple
 
-    dtype_kind = dtype_kind_by_dtype(lambda dtype: _kind(dtype))  # the checks read it on every call
+    dtype_kind = dtype_kind_by_dtype(_kind)  # the checks read it on every call
 
     def zeros(self, shape, like):
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -183,11 +183,11 @@ class TorchOps(Ops):
                 torch.is_grad_enabled()
                 and (queries.requires_grad or keys.requires_grad or values.requires_grad)
             )
-            and not _transformed(queries)  # vmap and grad transforms have no out=
             and not torch.compiler.is_compiling()
             and not torch.jit.is_tracing()
             and lens.dim() == 1
             and lens.is_cpu
+            and not any(map(_transformed, (queries, keys, values, lens)))  # vmap: no out=, no data
         ):
             return None
         return lens.tolist()
