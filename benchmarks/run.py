@@ -3,6 +3,7 @@
     python benchmarks/run.py                                  # every installed backend but array_api
     python benchmarks/run.py --backends torch --out benchmarks/RESULTS.md
     python benchmarks/run.py --python mxnet=.tox/mxnet/bin/python   # mxnet from its own env
+    python benchmarks/run.py --backends torch --contended --runs 4 --min-time 3   # under load
 
 Per backend (each in its own subprocess) and size, in the same run: median
 time of the textbook implementation (d2l's way, benchmarks/textbook.py),
@@ -349,6 +350,9 @@ def main() -> int:
         "--contended", action="store_true", help="run a CPU-bound busy process beside the measurements"
     )
     parser.add_argument(
+        "--runs", type=int, default=1, help="timing runs per backend, each in a fresh worker (median times)"
+    )
+    parser.add_argument(
         "--memory-runs", type=int, default=1, help="fresh processes per peak memory (median, and worst)"
     )
     parser.add_argument(
@@ -387,7 +391,7 @@ def main() -> int:
     load = "with one CPU-bound busy process beside it (--contended)" if args.contended else "quiet"
     header = (
         f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine};\n"
-        f"float32, one run, {load}.\n"
+        f"float32, {'one run' if args.runs == 1 else f'the median of {args.runs} runs'}, {load}.\n"
         "Times are medians of round-robin samples (one call of each implementation per round);\n"
         "memory is the growth of peak RSS during one call in a fresh process.\n"
         "Allocator for the times: "
@@ -410,9 +414,18 @@ def main() -> int:
 def _measure(args: argparse.Namespace, backends: list, sizes: list, pythons: dict, results: dict) -> None:
     for backend in backends:
         python = pythons.get(backend, sys.executable)
-        print(f"{backend}: timing {', '.join(sizes)} ...", file=sys.stderr, flush=True)
         try:
-            results[backend] = _run(python, "time", backend, ",".join(sizes), str(args.min_time))
+            # several timing runs, each in a fresh worker: under load identical runs spread
+            # widely, so each implementation's time is the median over the runs
+            runs = []
+            for run in range(args.runs):
+                of = f" (run {run + 1} of {args.runs})" if args.runs > 1 else ""
+                print(f"{backend}: timing {', '.join(sizes)}{of} ...", file=sys.stderr, flush=True)
+                runs.append(_run(python, "time", backend, ",".join(sizes), str(args.min_time)))
+            results[backend] = runs[0]
+            results[backend]["times"] = {
+                key: statistics.median(run["times"][key] for run in runs) for key in runs[0]["times"]
+            }
             if not args.no_memory:
                 results[backend]["memory"] = {}
                 for size in (s for s in sizes if s in MEMORY_SIZES):

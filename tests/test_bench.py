@@ -41,12 +41,15 @@ def test_the_suite_names_the_machine_and_can_run_contended(tmp_path):
     out = tmp_path / "results.md"
     cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "toy", "--min-time", "0.01"]
     result = subprocess.run(
-        [*cmd, "--no-memory", "--contended", "--out", str(out)], capture_output=True, text=True, timeout=600
-    )
+        [*cmd, "--no-memory", "--contended", "--runs", "3", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     header = out.read_text().split("|", 1)[0]
     assert "L2 " in header and "per core" in header and "CPUs" in header
     assert "one CPU-bound busy process beside it (--contended)" in header
+    assert "the median of 3 runs" in header
+    assert [f"(run {i} of 3)" in result.stderr for i in (1, 2, 3)] == [True] * 3  # three workers
 
 
 def test_memory_in_several_fresh_processes_under_the_default_malloc(tmp_path):
