@@ -174,23 +174,9 @@ class TorchOps(Ops):
         heads = queries.shape[1] if queries.dim() == 4 else 1
         if heads * queries.shape[-2] * keys.shape[-2] < VISIBLE_KEYS_MIN_SEQUENCE_SCORES:
             return None
-        if not (
-            queries.dtype in _FULL
-            and queries.is_cpu
-            and keys.is_cpu
-            and values.is_cpu
-            and not (
-                torch.is_grad_enabled()
-                and (queries.requires_grad or keys.requires_grad or values.requires_grad)
-            )
-            and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()
-            and lens.dim() == 1
-            and lens.is_cpu
-            and not any(map(_transformed, (queries, keys, values, lens)))  # vmap: no out=, no data
-        ):
-            return None
-        return lens.tolist()
+        if queries.dtype not in _FULL or any(map(_transformed, (queries, keys, values, lens))):
+            return None  # half types: float32 math; vmap and grad transforms: no out=
+        return _lengths_on_host(lens, queries, keys, values)
 
     def attend_visible_keys(self, queries, keys, values, lengths, scale):
         # per sequence: its scores in one reused contiguous buffer, then copied into the
@@ -250,16 +236,23 @@ SLICE_MIN_SEQUENCE_ELEMENTS = 1 << 15
 
 
 def _sliceable_lengths(x: torch.Tensor, lens: torch.Tensor) -> Optional[list]:
-    """The lengths as Python numbers where x's padding may be written slice by slice: one
-    length per sequence, host memory, no autograd on x (softmax's backward needs its
-    output), nothing tracing the lengths (compiled or traced graphs must not bake them in as
-    constants); else None."""
+    """The lengths as Python numbers where x's padding may be written slice by slice (large
+    enough, and ``_lengths_on_host``); else None."""
+    if x.numel() < SLICE_MIN_SEQUENCE_ELEMENTS * x.shape[0]:
+        return None
+    return _lengths_on_host(lens, x)
+
+
+def _lengths_on_host(lens: torch.Tensor, *tensors: torch.Tensor) -> Optional[list]:
+    """lens as Python numbers where the host strategies may use them on these tensors: one
+    length per sequence, all in host memory, no autograd on them (the strategies write into
+    what they make, and softmax's backward needs its output), nothing tracing or compiling
+    (graphs must not bake the lengths in as constants); else None."""
     if not (
-        x.numel() >= SLICE_MIN_SEQUENCE_ELEMENTS * x.shape[0]
-        and lens.dim() == 1
-        and x.is_cpu
+        lens.dim() == 1
         and lens.is_cpu
-        and not (x.requires_grad and torch.is_grad_enabled())
+        and all(t.is_cpu for t in tensors)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
     ):
