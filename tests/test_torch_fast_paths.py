@@ -46,6 +46,31 @@ def _tensors(dtype, *arrays):
 LENS = np.array([0, -2, 3, 7, 50])  # fully masked, negative, partial, the whole row, over-long
 
 
+def _poisoned_padding(poison, seed):
+    """(q, k, v, lens, reference output, reference weights): the reference from clean inputs,
+    then poison written into the keys and values past each length (float64)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = rng.normal(size=(3, 4, 4)), rng.normal(size=(3, 6, 4)), rng.normal(size=(3, 6, 3))
+    lens = np.array([2, 0, 5])
+    want_out, want = ref.dot_product_attention(q, k, v, lens)
+    for b, n in enumerate(lens):
+        k[b, n:], v[b, n:] = poison, poison
+    return q, k, v, lens, want_out, want
+
+
+def _no_finite_visible_score(poison, seed):
+    """float64 (q, k, v) tensors and lengths where query 0 of each sequence has no finite
+    visible score (poison * negative keys: -inf, or NaN)."""
+    import torch
+
+    q = np.zeros((2, 2, 2))
+    q[:, 0, 0] = poison
+    q[:, 1] = 1.0
+    k = -np.abs(np.random.default_rng(seed).normal(size=(2, 5, 2))) - 0.5
+    v = np.random.default_rng(seed + 1).normal(size=(2, 5, 3))
+    return _tensors("float64", q, k, v) + [torch.tensor([3, 5])]
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
 @pytest.mark.parametrize("kind", ["dot", "additive"])
 def test_slices_match_the_reference(taken, kind, dtype):
@@ -80,12 +105,7 @@ def test_slices_keep_padding_out_of_the_outputs(taken, poison):
     import torch
 
     m = _module()
-    rng = np.random.default_rng(12)
-    q, k, v = rng.normal(size=(3, 4, 4)), rng.normal(size=(3, 6, 4)), rng.normal(size=(3, 6, 3))
-    lens = np.array([2, 0, 5])
-    want_out, want = ref.dot_product_attention(q, k, v, lens)
-    for b, n in enumerate(lens):
-        k[b, n:], v[b, n:] = poison, poison
+    q, k, v, lens, want_out, want = _poisoned_padding(poison, seed=12)
     out, got = m.dot_product_attention(*_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True)
     assert taken and all(taken)
     np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
@@ -97,16 +117,9 @@ def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkey
     # visible scores all -inf: every masked weight equals 1/#masked after the softmax,
     # so the uniform shortcut must notice and zero them, as the masked path does;
     # a NaN query: NaN where the math says, exact zeros in the padding, on both paths
-    import torch
 
     m = _module()
-    q = np.zeros((2, 2, 2))
-    q[:, 0, 0] = poison  # query 0 of each sequence: inf * (negative key) = -inf scores
-    q[:, 1] = 1.0
-    k = -np.abs(np.random.default_rng(13).normal(size=(2, 5, 2))) - 0.5
-    v = np.random.default_rng(14).normal(size=(2, 5, 3))
-    lens = torch.tensor([3, 5])
-    args = _tensors("float64", q, k, v) + [lens]
+    args = _no_finite_visible_score(poison, seed=13)
     sliced = [t.numpy() for t in m.dot_product_attention(*args, return_weights=True)]
     assert taken and all(taken)
     monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 1 << 40)
@@ -384,12 +397,7 @@ def test_visible_keys_never_read_the_padding(visible, poison):
     import torch
 
     m = _module()
-    rng = np.random.default_rng(33)
-    q, k, v = rng.normal(size=(3, 4, 4)), rng.normal(size=(3, 6, 4)), rng.normal(size=(3, 6, 3))
-    lens = np.array([2, 0, 5])
-    want_out, want = ref.dot_product_attention(q, k, v, lens)
-    for b, n in enumerate(lens):
-        k[b, n:], v[b, n:] = poison, poison
+    q, k, v, lens, want_out, want = _poisoned_padding(poison, seed=33)
     with torch.no_grad():
         out, got = m.dot_product_attention(
             *_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True
@@ -408,12 +416,7 @@ def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monk
     from multiattn import core
 
     m = _module()
-    q = np.zeros((2, 2, 2))
-    q[:, 0, 0] = poison
-    q[:, 1] = 1.0
-    k = -np.abs(np.random.default_rng(34).normal(size=(2, 5, 2))) - 0.5
-    v = np.random.default_rng(35).normal(size=(2, 5, 3))
-    args = _tensors("float64", q, k, v) + [torch.tensor([3, 5])]
+    args = _no_finite_visible_score(poison, seed=34)
     with torch.no_grad():
         got = m.dot_product_attention(*args, return_weights=True)
         want = core.dot_product_attention(m.ops, *args)
