@@ -204,11 +204,18 @@ class Ops:
         return None
 
     def attend_visible_keys(
-        self, queries: Tensor, keys: Tensor, values: Tensor, lengths: list, scale: float
-    ) -> Tuple[Tensor, Tensor]:
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        lengths: list,
+        scale: float,
+        need_weights: bool = True,
+    ) -> Tuple[Tensor, Optional[Tensor]]:
         """(output, weights) of dot-product attention in which sequence b attends over its first
         lengths[b] keys only (lengths from ``visible_key_lengths``, clipped): the other keys'
-        scores are never made, their weights are 0, and a sequence with none visible gives 0.
+        scores are never made, their weights are 0, and a sequence with none visible gives 0;
+        with need_weights=False, (output, None).
         Where the visible scores of a row are not finite the answer may differ from ``core``'s
         (the strategies check the output)."""
         raise NotImplementedError(f"{self.name} has no attend_visible_keys (visible_key_lengths is None)")

@@ -12,7 +12,8 @@ optional steps of ``protocol.Ops``:
   framework's kernel) instead of two masked passes over every score;
 * **each sequence over its visible keys** (``ops.visible_key_lengths`` gives the lengths,
   which hide at least ``1 - VISIBLE_KEYS_MAX_SHARE`` of the keys): the padded keys' scores are
-  never made (``ops.attend_visible_keys``);
+  never made (``ops.attend_visible_keys``, with the weights or without; tried before the fused
+  kernel);
 * **masked where in the scores' memory**: ``core``'s masked softmax with
   ``where_owned``/``softmax_owned``, which may reuse the scores the core made itself;
 * **additive scores in blocks of queries** (above ``ops.feature_block_elements``):
@@ -217,15 +218,16 @@ def scaled_dot_product(
     dropout: Dropout = None,
     need_weights: bool = True,
 ) -> tuple[Tensor, Optional[Tensor]]:
-    """Checked inputs (B, [H,] n, d): the fused kernel where it may run, else scores, the
-    masked softmax and the pooling (``attend``)."""
-    if not need_weights and dropout is None and _fuses(ops, queries, keys, values):
-        return fused_attention(ops, queries, keys, values, masks, scale), None
+    """Checked inputs (B, [H,] n, d): each sequence over its visible keys where the adapter
+    does that, else the fused kernel where it may run, else scores, the masked softmax and the
+    pooling (``attend``)."""
     lengths = _visible_key_lengths(ops, queries, keys, values, masks) if dropout is None else None
     if lengths is not None:
-        out, weights = ops.attend_visible_keys(queries, keys, values, lengths, scale)
-        if ops.all_finite(out):  # else some visible scores or values are not finite: core's way
-            return out, (weights if need_weights else None)
+        out, weights = ops.attend_visible_keys(queries, keys, values, lengths, scale, need_weights)
+        if ops.all_finite(out):  # else some visible scores or values are not finite: the ways below
+            return out, weights
+    if not need_weights and dropout is None and _fuses(ops, queries, keys, values):
+        return fused_attention(ops, queries, keys, values, masks, scale), None
     scores = ops.scaled_matmul_t(queries, keys, scale)
     out, weights = attend(ops, scores, values, masks, dropout, need_weights)
     return out, (weights if need_weights else None)

@@ -329,16 +329,17 @@ def test_the_sigmoid_calibration_runs_under_vmap_and_no_grad(monkeypatch):
 
 @pytest.fixture
 def visible(monkeypatch):
-    """Every size takes the visible-keys path; the list records each call's lengths."""
+    """Every size takes the visible-keys path; the list records each call's lengths and
+    whether it wanted the weights."""
     from multiattn import strategies
 
     m = _module()
     calls: list = []
     real = m.TorchOps.attend_visible_keys
 
-    def spy(self, queries, keys, values, lengths, scale):
-        calls.append(list(lengths))
-        return real(self, queries, keys, values, lengths, scale)
+    def spy(self, queries, keys, values, lengths, scale, need_weights):
+        calls.append((list(lengths), need_weights))
+        return real(self, queries, keys, values, lengths, scale, need_weights)
 
     monkeypatch.setattr(m, "VISIBLE_KEYS_MIN_SEQUENCE_SCORES", 0)
     monkeypatch.setattr(strategies, "VISIBLE_KEYS_MAX_SHARE", 1.0)
@@ -360,7 +361,7 @@ def test_visible_keys_match_the_reference(visible, dtype):
     with torch.no_grad():
         out, got = m.dot_product_attention(tq, tk, tv, torch.tensor(LENS), return_weights=True)
         fast = m.dot_product_attention(tq, tk, tv, torch.tensor(LENS))
-    assert visible == [[0, 0, 3, 7, 7]] * 2, "the visible-keys path did not run, or misread the lengths"
+    assert visible == [([0, 0, 3, 7, 7], True), ([0, 0, 3, 7, 7], False)], "not run, or lengths misread"
     assert got.dtype == out.dtype == tq.dtype
     tol = tolerance("torch", dtype)
     np.testing.assert_allclose(got.double().numpy(), want, atol=tol * 4)
@@ -382,14 +383,15 @@ def test_visible_keys_per_head_match_the_reference(visible):
         name: rng.normal(size=(h, width)) for name, width in (("W_q", 5), ("W_k", 6), ("W_v", 4), ("W_o", h))
     }
     want_out, want = ref.multi_head_attention(q, k, v, LENS, weights, heads)
+    args = (*_tensors("float64", q, k, v), torch.tensor(LENS))
+    kwargs = dict(weights={n: torch.tensor(w) for n, w in weights.items()}, num_heads=heads)
     with torch.no_grad():
-        out, got = m.multi_head_attention(
-            *_tensors("float64", q, k, v), torch.tensor(LENS),
-            weights={n: torch.tensor(w) for n, w in weights.items()}, num_heads=heads, return_weights=True,
-        )  # fmt: skip
-    assert visible == [[0, 0, 3, 7, 7]]
+        out, got = m.multi_head_attention(*args, **kwargs, return_weights=True)
+        fast = m.multi_head_attention(*args, **kwargs)
+    assert visible == [([0, 0, 3, 7, 7], True), ([0, 0, 3, 7, 7], False)]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+    for result in (out, fast):
+        np.testing.assert_allclose(result.numpy(), want_out, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
@@ -398,13 +400,14 @@ def test_visible_keys_never_read_the_padding(visible, poison):
 
     m = _module()
     q, k, v, lens, want_out, want = _poisoned_padding(poison, seed=33)
+    args = (*_tensors("float64", q, k, v), torch.tensor(lens))
     with torch.no_grad():
-        out, got = m.dot_product_attention(
-            *_tensors("float64", q, k, v), torch.tensor(lens), return_weights=True
-        )
-    assert visible
-    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-12, atol=1e-12)
+        out, got = m.dot_product_attention(*args, return_weights=True)
+        fast = m.dot_product_attention(*args)
+    assert [need for _, need in visible] == [True, False]
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+    for result in (out, fast):
+        np.testing.assert_allclose(result.numpy(), want_out, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("poison", [np.inf, np.nan])
@@ -419,10 +422,18 @@ def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monk
     args = _no_finite_visible_score(poison, seed=34)
     with torch.no_grad():
         got = m.dot_product_attention(*args, return_weights=True)
+        fast = m.dot_product_attention(*args)
         want = core.dot_product_attention(m.ops, *args)
-    assert visible  # it ran, and was not taken
-    for a, b in zip(got, want):
+    assert [need for _, need in visible] == [True, False]
+    for a, b in zip(got, want):  # not taken: core's answer
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+    # without weights each sequence's SDPA: core's answer, except that its kernel gives a row
+    # of -inf scores 0 where no key is masked (sequence 1), the math's 0/0 (docs/errors.md)
+    fast, want_out = fast.numpy(), want[0].numpy()
+    if poison == np.inf:
+        assert np.isnan(want_out[1, 0]).all() and (fast[1, 0] == 0).all()
+        want_out[1, 0] = 0.0
+    np.testing.assert_allclose(fast, want_out, rtol=1e-12, atol=1e-12)
 
 
 def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():

@@ -178,7 +178,9 @@ class TorchOps(Ops):
             return None  # half types: float32 math; vmap and grad transforms: no out=
         return _lengths_on_host(lens, queries, keys, values)
 
-    def attend_visible_keys(self, queries, keys, values, lengths, scale):
+    def attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
+        if not need_weights:
+            return _fused_over_visible_keys(queries, keys, values, lengths, scale), None
         # per sequence: its scores in one reused contiguous buffer, then copied into the
         # weights; 3-D inputs as 2-D products (MKL's own threading), which held up beside a
         # busy process where bmm and a strided softmax did not (benchmarks/RESULTS.md)
@@ -221,6 +223,21 @@ class TorchOps(Ops):
             scale=scale,
         )
         return out.squeeze(1)
+
+
+def _fused_over_visible_keys(queries, keys, values, lengths, scale):
+    """SDPA per sequence on its visible keys: no mask, so its flash kernel, which reads
+    neither the padded keys nor the padded values."""
+    out = queries.new_empty(*queries.shape[:-1], values.shape[-1])
+    heads = queries.dim() == 4
+    for b, n in enumerate(lengths):
+        if n == 0:  # nothing visible: 0
+            out[b] = 0.0
+            continue
+        q, k, v = (x[b : b + 1] if heads else x[b : b + 1, None] for x in (queries, keys, values))
+        o = F.scaled_dot_product_attention(q, k[..., :n, :], v[..., :n, :], scale=scale)
+        out[b] = o[0] if heads else o[0, 0]
+    return out
 
 
 # Below this many scores per sequence the loop over the sequences' visible keys costs more
