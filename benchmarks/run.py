@@ -12,7 +12,8 @@ the no-weights fast path), and the floor (matmul, softmax, matmul, no mask).
 For multi-head attention (d2l 11.5) on torch also torch.nn.MultiheadAttention,
 with and without its weights, in a second table.  Peak memory: the growth of
 the process's peak RSS during one call, each measured in a fresh subprocess.
-Ratios are to the textbook and to the floor of the same run.
+Ratios are to the textbook and to the floor of the same run; with --runs N the table has
+the median times of N fresh workers, and each worker's multiattn / textbook follows it.
 """
 
 from __future__ import annotations
@@ -272,6 +273,23 @@ def _ratio(a, b) -> str:
     return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"
 
 
+def _ratios(times: dict, sizes: list) -> dict:
+    """multiattn / textbook per size in one run's times."""
+    return {size: _ratio(times.get(f"{size}/multiattn"), times.get(f"{size}/textbook")) for size in sizes}
+
+
+def render_runs(results: dict, sizes: list) -> str:
+    """Each run's multiattn / textbook, where there were several (the table has the median
+    times): under load the runs spread, and a median of times can hide two modes."""
+    lines = []
+    for backend, res in results.items():
+        runs = res.get("ratios", [])
+        if len(runs) > 1:
+            cells = (f"{size} {', '.join(run[size] for run in runs)}" for size in sizes)
+            lines.append(f"- {backend}: {'; '.join(cells)}")
+    return "\n\nmultiattn / textbook in each run:\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def render(results: dict, sizes: list) -> str:
     lines = [
         "| backend | size | textbook | multiattn | fast path | floor | multiattn / textbook | "
@@ -387,7 +405,7 @@ def main() -> int:
         if busy is not None:
             busy.kill()
     machine = f"{describe_machine()}, {platform.system()}, Python {platform.python_version()}"
-    table = render(results, sizes)
+    table = render(results, sizes) + render_runs(results, sizes)
     load = "with one CPU-bound busy process beside it (--contended)" if args.contended else "quiet"
     header = (
         f"# multiattn benchmarks\n\nMeasured {time.strftime('%Y-%m-%d')} on {machine};\n"
@@ -423,6 +441,7 @@ def _measure(args: argparse.Namespace, backends: list, sizes: list, pythons: dic
                 print(f"{backend}: timing {', '.join(sizes)}{of} ...", file=sys.stderr, flush=True)
                 runs.append(_run(python, "time", backend, ",".join(sizes), str(args.min_time)))
             results[backend] = runs[0]
+            results[backend]["ratios"] = [_ratios(run["times"], sizes) for run in runs]
             results[backend]["times"] = {
                 key: statistics.median(run["times"][key] for run in runs) for key in runs[0]["times"]
             }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,8 @@ def test_the_suite_names_the_machine_and_can_run_contended(tmp_path):
     assert "one CPU-bound busy process beside it (--contended)" in header
     assert "the median of 3 runs" in header
     assert [f"(run {i} of 3)" in result.stderr for i in (1, 2, 3)] == [True] * 3  # three workers
+    per_run = out.read_text().split("multiattn / textbook in each run:", 1)[1]
+    assert re.search(r"- numpy: toy \d+\.\d\dx, \d+\.\d\dx, \d+\.\d\dx$", per_run.strip()), per_run
 
 
 def test_memory_in_several_fresh_processes_under_the_default_malloc(tmp_path):
