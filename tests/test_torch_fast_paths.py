@@ -394,6 +394,27 @@ def test_visible_keys_per_head_match_the_reference(visible):
         np.testing.assert_allclose(result.numpy(), want_out, rtol=1e-12, atol=1e-12)
 
 
+def test_visible_keys_take_strided_inputs(visible):
+    # views with a transposed layout (as after a split into heads): the products and SDPA read
+    # them as they are, with and without the weights
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(35)
+    B, Q, K = len(LENS), 3, 7
+    q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 2))
+    want_out, want = ref.dot_product_attention(q, k, v, LENS)
+    views = [torch.tensor(np.ascontiguousarray(x.transpose(1, 0, 2))).transpose(0, 1) for x in (q, k, v)]
+    assert not any(t.is_contiguous() for t in views)
+    with torch.no_grad():
+        out, got = m.dot_product_attention(*views, torch.tensor(LENS), return_weights=True)
+        fast = m.dot_product_attention(*views, torch.tensor(LENS))
+    assert [need for _, need in visible] == [True, False]
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-12, atol=1e-12)
+    for result in (out, fast):
+        np.testing.assert_allclose(result.numpy(), want_out, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize("poison", [np.nan, np.inf, -np.inf])
 def test_visible_keys_never_read_the_padding(visible, poison):
     import torch
