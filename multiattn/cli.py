@@ -130,7 +130,8 @@ def cmd_native(args: argparse.Namespace) -> int:
     for label, why in missing.items():
         print(f"({label}: not run, not importable here: {why})")
     if args.json:
-        save_json(args.json, results, native.build_native_rows(results, args.seed, overrides), args.seed)
+        rows = native.build_native_rows(results, args.seed, overrides)
+        save_json(args.json, results, rows, args.seed, native=True)
         _progress(f"results written to {args.json}")
     if args.markdown:
         page = native.markdown(results, native.versions_of(results), args.seed, missing)
@@ -153,10 +154,19 @@ def _dtype_list(text: str) -> List[str]:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from .check import load_json
+    """`report`: one table from `check --json` files (exit 1 on a failed row), or the native
+    tables from `check --native --json` files (exit 0, as `check --native`)."""
+    from .check import load_json, native, save_json
 
-    results, seed = load_json(args.files)
-    return _finish(results, seed, args)
+    results, seed, of_natives = load_json(args.files)
+    if not of_natives:
+        return _finish(results, seed, args)
+    overrides = dict(args.tolerance or [])
+    print(native.render(results, seed, overrides))
+    if args.json:
+        save_json(args.json, results, native.build_native_rows(results, seed, overrides), seed, native=True)
+        _progress(f"results written to {args.json}")
+    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -236,9 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="merge `check --json` files from several environments into one table",
         description="Merge the JSON results of `multiattn check --json` runs made in different "
         "environments (e.g. mxnet's, which needs numpy<1.24) into one table, comparing every "
-        "backend with every other. Exit status 1 if any row is outside its tolerance.",
+        "backend with every other. Exit status 1 if any row is outside its tolerance. Files from "
+        "`check --native --json` give the native tables instead (each implementation against the "
+        "reference only; exit 0).",
     )
-    report.add_argument("files", nargs="+", help="JSON files written by `multiattn check --json`")
+    report.add_argument(
+        "files",
+        nargs="+",
+        help="JSON files written by `multiattn check --json` (or all by `check --native --json`)",
+    )
     report.add_argument("--tolerance", type=_tolerance, action="append", help=tolerance_help)
     report.add_argument("--json", metavar="PATH", help="write the merged results as JSON")
     report.set_defaults(func=cmd_report)

@@ -280,6 +280,15 @@ def test_the_command_prints_both_tables_and_exits_0(tmp_path):
     text = page.read_text()
     assert text.startswith("# Where frameworks' own attention disagrees") and native.DATE_LINE in text
     assert "| `torch.nn.MultiheadAttention (need_weights=True)` | 1d, 2d, mask, all |" in text
+    # report reads the file back as the same native tables, never comparing the natives
+    reported = run_cli("report", str(out))
+    assert reported.returncode == 0, reported.stdout + reported.stderr
+    assert reported.stdout.strip() in result.stdout  # check also names what it could not import
+    doc["native"] = False  # as a `check --json` file: the kinds do not mix
+    mixed = tmp_path / "check.json"
+    mixed.write_text(json.dumps(doc))
+    refused = run_cli("report", str(out), str(mixed))
+    assert refused.returncode == 2 and "report merges files of one kind" in refused.stderr
 
 
 @pytest.mark.parametrize(

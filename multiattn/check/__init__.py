@@ -155,21 +155,24 @@ def _to_arrays(case: dict) -> dict:
     return out
 
 
-def save_json(path: str, results: Dict[str, dict], rows: List[Row], seed: int) -> None:
+def save_json(path: str, results: Dict[str, dict], rows: List[Row], seed: int, native: bool = False) -> None:
+    """The results and rows of `check --json` (native: of `check --native --json`)."""
     from .. import __version__
 
-    doc = {"multiattn": __version__, "seed": seed, "backends": _to_lists(results), "rows": rows_as_json(rows)}
+    doc = {"multiattn": __version__, "seed": seed, "native": native, "backends": _to_lists(results)}
+    doc["rows"] = rows_as_json(rows)
     with open(path, "w") as f:
         json.dump(doc, f)
 
 
 def load_json(paths: List[str]) -> tuple:
-    """(merged results, seed) of several `check --json` files; their seeds must agree.
+    """(merged results, seed, native) of several `check --json` files, or of several `check
+    --native --json` files (native True); their seeds must agree, and the kinds must not mix.
 
     A backend found in more than one file keeps every one of its results, each labelled with
     its file (``numpy [check-mxnet]``): never a silent choice of one."""
     loaded: List[tuple] = []
-    seed = None
+    seed = native = None
     for path in paths:
         with open(path) as f:
             try:
@@ -181,7 +184,14 @@ def load_json(paths: List[str]) -> tuple:
                 ) from None
         if seed is not None and doc_seed != seed:
             raise ValueError(f"{path} was made with seed {doc_seed}, the others with seed {seed}")
-        seed = doc_seed
+        doc_native = bool(doc.get("native", False))
+        if native is not None and doc_native != native:
+            kinds = ("`check --json`", "`check --native --json`")
+            raise ValueError(
+                f"{path} is from {kinds[doc_native]}, the others from {kinds[native]}: "
+                "report merges files of one kind"
+            )
+        seed, native = doc_seed, doc_native
         for name, res in backends.items():
             res["cases"] = {c: _to_arrays(r) for c, r in res["cases"].items()}
             loaded.append((name, os.path.splitext(os.path.basename(path))[0], res))
@@ -189,4 +199,4 @@ def load_json(paths: List[str]) -> tuple:
     merged: Dict[str, dict] = {}
     for name, source, res in loaded:
         merged[f"{name} [{source}]" if counts[name] > 1 else name] = {**res, "backend": name}
-    return merged, seed
+    return merged, seed, bool(native)
