@@ -104,10 +104,23 @@ def cmd_against(args: argparse.Namespace) -> int:
     return 1 if any(r.verdict == "FAIL" for r in rows) else 0
 
 
+def _finish_native(results: Dict[str, dict], seed: int, args: argparse.Namespace, missing: dict) -> None:
+    """The native tables (each implementation against the reference) and, with --json, the file."""
+    from .check import native, save_json
+
+    overrides = dict(args.tolerance or [])
+    print(native.render(results, seed, overrides))
+    for label, why in missing.items():
+        print(f"({label}: not run, not importable here: {why})")
+    if getattr(args, "json", None):
+        save_json(args.json, results, native.build_native_rows(results, seed, overrides), seed, native=True)
+        _progress(f"results written to {args.json}")
+
+
 def cmd_native(args: argparse.Namespace) -> int:
     """`check --native`: each framework's own attention through the battery; exit 0 with the
     table (a disagreement is a finding about the framework, not a failure)."""
-    from .check import installed_backends, native, run_native, save_json
+    from .check import installed_backends, native, run_native
 
     others = [flag for flag, given in (("--against", args.against), ("--kind", args.kind),
               ("--backend", args.backend), ("--dtypes", args.dtypes), ("--skip-fully-masked",
@@ -125,14 +138,7 @@ def cmd_native(args: argparse.Namespace) -> int:
         )
     _progress(f"multiattn {__version__}: the own attention of {', '.join(backends)} (seed {args.seed})")
     results, missing = native.split_absent(run_native(backends, seed=args.seed, progress=_progress))
-    overrides = dict(args.tolerance or [])
-    print(native.render(results, args.seed, overrides))
-    for label, why in missing.items():
-        print(f"({label}: not run, not importable here: {why})")
-    if args.json:
-        rows = native.build_native_rows(results, args.seed, overrides)
-        save_json(args.json, results, rows, args.seed, native=True)
-        _progress(f"results written to {args.json}")
+    _finish_native(results, args.seed, args, missing)
     if args.markdown:
         page = native.markdown(results, native.versions_of(results), args.seed, missing)
         with open(args.markdown, "w") as f:
@@ -156,16 +162,12 @@ def _dtype_list(text: str) -> List[str]:
 def cmd_report(args: argparse.Namespace) -> int:
     """`report`: one table from `check --json` files (exit 1 on a failed row), or the native
     tables from `check --native --json` files (exit 0, as `check --native`)."""
-    from .check import load_json, native, save_json
+    from .check import load_json
 
     results, seed, of_natives = load_json(args.files)
     if not of_natives:
         return _finish(results, seed, args)
-    overrides = dict(args.tolerance or [])
-    print(native.render(results, seed, overrides))
-    if args.json:
-        save_json(args.json, results, native.build_native_rows(results, seed, overrides), seed, native=True)
-        _progress(f"results written to {args.json}")
+    _finish_native(results, seed, args, missing={})
     return 0
 
 
