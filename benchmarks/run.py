@@ -269,6 +269,18 @@ def describe_machine() -> str:
     return f"{model}, L2 {l2} per core, {vector.upper()}, {os.cpu_count()} CPUs"
 
 
+# The thread settings that decide how a call fares beside a busy process (docs/performance.md).
+THREAD_SETTINGS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "MKL_NUM_THREADS", "KMP_BLOCKTIME")
+
+
+def describe_threads() -> str:
+    """The workers' thread settings from the environment, or the frameworks' defaults."""
+    settings = [f"{name}={os.environ[name]}" for name in THREAD_SETTINGS if name in os.environ]
+    if settings:
+        return ", ".join(settings)
+    return "none of " + ", ".join(THREAD_SETTINGS) + " set (OpenMP's defaults: waiting threads spin)"
+
+
 def _ratio(a, b) -> str:
     return "-" if a is None or b in (None, 0) else f"{a / b:.2f}x"
 
@@ -419,6 +431,7 @@ def main() -> int:
             if args.default_malloc
             else f"for memory: every block its own mapping (see run.py), {args.memory_runs} run(s), median.\n"
         )
+        + f"Thread settings: {describe_threads()}.\n"
         + "`multiattn` keeps the attention weights (d2l behaviour); `fast path` is the dot-product or\n"
         "multi-head call without weights (the framework's fused kernel where the adapter uses one on this\n"
         f"machine).  `multihead` is d2l 11.5 multi-head attention, {NUM_HEADS} heads, no biases.\n\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -43,16 +44,34 @@ def test_the_suite_names_the_machine_and_can_run_contended(tmp_path):
     cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "toy", "--min-time", "0.01"]
     result = subprocess.run(
         [*cmd, "--no-memory", "--contended", "--runs", "3", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True, text=True, timeout=600, env=_without_thread_settings(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     header = out.read_text().split("|", 1)[0]
     assert "L2 " in header and "per core" in header and "CPUs" in header
     assert "one CPU-bound busy process beside it (--contended)" in header
     assert "the median of 3 runs" in header
+    assert "Thread settings: none of OMP_NUM_THREADS" in header and "waiting threads spin" in header
     assert [f"(run {i} of 3)" in result.stderr for i in (1, 2, 3)] == [True] * 3  # three workers
     per_run = out.read_text().split("multiattn / textbook in each run:", 1)[1]
     assert re.search(r"- numpy: toy \d+\.\d\dx, \d+\.\d\dx, \d+\.\d\dx$", per_run.strip()), per_run
+
+
+def _without_thread_settings() -> dict:
+    return {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "GOMP_", "MKL_", "KMP_"))}
+
+
+def test_the_header_names_the_thread_settings_the_workers_ran_with(tmp_path):
+    # beside a busy process OMP_WAIT_POLICY decides the ratios (docs/performance.md)
+    out = tmp_path / "results.md"
+    cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "toy", "--min-time", "0.01"]
+    env = _without_thread_settings()
+    env.update(OMP_WAIT_POLICY="PASSIVE", OMP_NUM_THREADS="2")
+    result = subprocess.run(
+        [*cmd, "--no-memory", "--out", str(out)], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Thread settings: OMP_NUM_THREADS=2, OMP_WAIT_POLICY=PASSIVE.\n" in out.read_text()
 
 
 def test_memory_in_several_fresh_processes_under_the_default_malloc(tmp_path):
