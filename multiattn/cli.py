@@ -113,7 +113,8 @@ def _finish_native(results: Dict[str, dict], seed: int, args: argparse.Namespace
     for label, why in missing.items():
         print(f"({label}: not run, not importable here: {why})")
     if getattr(args, "json", None):
-        save_json(args.json, results, native.build_native_rows(results, seed, overrides), seed, native=True)
+        rows = native.build_native_rows(results, seed, overrides)
+        save_json(args.json, results, rows, seed, native=True, not_importable=missing)
         _progress(f"results written to {args.json}")
 
 
@@ -167,7 +168,10 @@ def cmd_report(args: argparse.Namespace) -> int:
     results, seed, of_natives = load_json(args.files)
     if not of_natives:
         return _finish(results, seed, args)
-    _finish_native(results, seed, args, missing={})
+    from .check import native
+
+    ran, missing = native.split_absent(results)
+    _finish_native(ran, seed, args, missing)
     return 0
 
 

@@ -284,11 +284,44 @@ def test_the_command_prints_both_tables_and_exits_0(tmp_path):
     reported = run_cli("report", str(out))
     assert reported.returncode == 0, reported.stdout + reported.stderr
     assert reported.stdout.strip() in result.stdout  # check also names what it could not import
+    assert doc["not_importable"] == native.absent("torch")  # d2l, where it is not installed
+    for label in doc["not_importable"]:  # and report names them too, from the file
+        assert f"({label}: not run, not importable here: " in reported.stdout
     doc["native"] = False  # as a `check --json` file: the kinds do not mix
     mixed = tmp_path / "check.json"
     mixed.write_text(json.dumps(doc))
     refused = run_cli("report", str(out), str(mixed))
     assert refused.returncode == 2 and "report merges files of one kind" in refused.stderr
+
+
+def test_report_names_an_implementation_no_file_could_import(tmp_path):
+    # one environment without d2l, another with it: d2l ran, so it is not listed as absent
+    from multiattn.check import load_json
+
+    def write(name, backends, not_importable):
+        path = tmp_path / f"{name}.json"
+        doc = {"seed": 0, "native": True, "backends": backends, "rows": [], "not_importable": not_importable}
+        path.write_text(json.dumps(doc))
+        return str(path)
+
+    ran = {"version": "1", "status": "ok", "cases": {}, "backend": "torch"}
+    without = write(
+        "a", {"torch.sdpa": ran}, {"d2l.torch.X": "ModuleNotFoundError: d2l", "d2l.torch.Y": "no"}
+    )
+    with_d2l = write("b", {"d2l.torch.X": {**ran, "version": "d2l"}}, {})
+    results, _, of_natives = load_json([without, with_d2l])
+    assert of_natives
+    assert native.split_absent(results) == (
+        {
+            "torch.sdpa": {**ran, "backend": "torch.sdpa"},
+            "d2l.torch.X": {**ran, "version": "d2l", "backend": "d2l.torch.X"},
+        },
+        {"d2l.torch.Y": "no"},
+    )
+    assert native.split_absent(load_json([without])[0])[1] == {
+        "d2l.torch.X": "ModuleNotFoundError: d2l",
+        "d2l.torch.Y": "no",
+    }
 
 
 @pytest.mark.parametrize(

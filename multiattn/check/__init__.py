@@ -155,11 +155,17 @@ def _to_arrays(case: dict) -> dict:
     return out
 
 
-def save_json(path: str, results: Dict[str, dict], rows: List[Row], seed: int, native: bool = False) -> None:
-    """The results and rows of `check --json` (native: of `check --native --json`)."""
+def save_json(
+    path: str, results: Dict[str, dict], rows: List[Row], seed: int, native: bool = False,
+    not_importable: Optional[Dict[str, str]] = None,
+) -> None:  # fmt: skip
+    """The results and rows of `check --json` (native: of `check --native --json`, with the
+    implementations that could not be imported, {label: why})."""
     from .. import __version__
 
     doc = {"multiattn": __version__, "seed": seed, "native": native, "backends": _to_lists(results)}
+    if native:
+        doc["not_importable"] = dict(not_importable or {})
     doc["rows"] = rows_as_json(rows)
     with open(path, "w") as f:
         json.dump(doc, f)
@@ -170,8 +176,11 @@ def load_json(paths: List[str]) -> tuple:
     --native --json` files (native True); their seeds must agree, and the kinds must not mix.
 
     A backend found in more than one file keeps every one of its results, each labelled with
-    its file (``numpy [check-mxnet]``): never a silent choice of one."""
+    its file (``numpy [check-mxnet]``): never a silent choice of one.  A native implementation
+    that no file could import is among the results with the status ``absent: why``
+    (``native.split_absent``)."""
     loaded: List[tuple] = []
+    not_importable: Dict[str, str] = {}
     seed = native = None
     for path in paths:
         with open(path) as f:
@@ -195,8 +204,13 @@ def load_json(paths: List[str]) -> tuple:
         for name, res in backends.items():
             res["cases"] = {c: _to_arrays(r) for c, r in res["cases"].items()}
             loaded.append((name, os.path.splitext(os.path.basename(path))[0], res))
+        for label, why in (doc.get("not_importable") or {}).items():
+            not_importable.setdefault(label, why)
     counts = Counter(name for name, _, _ in loaded)
     merged: Dict[str, dict] = {}
     for name, source, res in loaded:
         merged[f"{name} [{source}]" if counts[name] > 1 else name] = {**res, "backend": name}
+    for label, why in not_importable.items():
+        if label not in counts:  # imported by none of the files
+            merged[label] = {"version": "?", "status": f"absent: {why}", "cases": {}, "backend": label}
     return merged, seed, bool(native)
