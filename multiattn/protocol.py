@@ -220,6 +220,13 @@ class Ops:
         (the strategies check the output)."""
         raise NotImplementedError(f"{self.name} has no attend_visible_keys (visible_key_lengths is None)")
 
+    def additive_key_lengths(self, q_hidden: Tensor, k_hidden: Tensor, lens: Tensor) -> Optional[list]:
+        """lens (B,) as Python numbers where the additive features of each sequence are made
+        over its visible keys only (``strategies.additive_scores_over_visible_keys``): lengths
+        in host memory, nothing tracing or compiling (a graph would bake them in), and where
+        the loop over the sequences pays; None where not (the default)."""
+        return None
+
     def softmax_owned(self, x: Tensor) -> Tensor:
         """``softmax`` of scores the core made itself and no longer needs: the result may
         take x's memory (where autograd does not need x)."""

@@ -17,7 +17,10 @@ optional steps of ``protocol.Ops``:
 * **masked where in the scores' memory**: ``core``'s masked softmax with
   ``where_owned``/``softmax_owned``, which may reuse the scores the core made itself;
 * **additive scores in blocks of queries** (above ``ops.feature_block_elements``):
-  the features of one block at a time, in the adapter's layout (``hiddens_innermost``).
+  the features of one block at a time, in the adapter's layout (``hiddens_innermost``);
+* **additive features over each sequence's visible keys** (``ops.additive_key_lengths`` gives the
+  lengths, which hide at least ``1 - VISIBLE_KEYS_MAX_SHARE`` of the keys): no features are
+  made for keys that no query of the sequence may see.
 """
 
 from __future__ import annotations
@@ -111,7 +114,12 @@ def additive_attention(
     masks = _checked_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
     if checks.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
-    scores = additive_scores(ops, project_q(queries), project_k(keys), w_v)
+    q_hidden, k_hidden = project_q(queries), project_k(keys)
+    lengths = _additive_visible_key_lengths(ops, q_hidden, k_hidden, masks)
+    if lengths is None:
+        scores = additive_scores(ops, q_hidden, k_hidden, w_v)
+    else:
+        scores = additive_scores_over_visible_keys(ops, q_hidden, k_hidden, w_v, lengths)
     return attend(ops, scores, values, masks, dropout)
 
 
@@ -313,6 +321,22 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -
     return additive_scores_in_blocks(ops, q_hidden, k_hidden, w_v, max(1, block // per_query))
 
 
+def additive_scores_over_visible_keys(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, lengths: list
+) -> Tensor:
+    """``additive_scores`` of each sequence over its first lengths[b] keys only, the other
+    scores 0 (for the masked softmax to hide): no features are made for keys that no query of
+    the sequence may see."""
+    n_queries, n_keys = ops.shape(q_hidden)[1], ops.shape(k_hidden)[1]
+    rows = []
+    for b, n in enumerate(lengths):
+        parts = [additive_scores(ops, q_hidden[b : b + 1], k_hidden[b : b + 1, :n], w_v)] if n else []
+        if n < n_keys:
+            parts.append(ops.zeros((1, n_queries, n_keys - n), q_hidden))
+        rows.append(ops.concat(parts, -1) if len(parts) > 1 else parts[0])
+    return ops.concat(rows, 0)
+
+
 def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, step: int) -> Tensor:
     """``core.additive_scores`` block by block (``ops.map_query_blocks``), the features laid
     out (B, q, h, K) by default: keys innermost, the sum adds one number to each row of keys
@@ -358,8 +382,32 @@ def _checked_masks(
     return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
 
 
+# Each sequence's additive features over its visible keys pay for the loop over the sequences
+# from this many features per sequence (queries x hiddens x keys).
+ADDITIVE_VISIBLE_KEYS_MIN_FEATURES = 1 << 16
+
+
+def _additive_visible_key_lengths(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, masks: Masks
+) -> Optional[list]:
+    """The clipped lengths where the additive features are made per sequence over its visible
+    keys: lengths alone, one per sequence, readable on the host, on large enough sequences,
+    hiding enough of the keys; else None."""
+    if not masks.only_lengths:
+        return None
+    _, n_queries, hiddens = ops.shape(q_hidden)
+    n_keys = ops.shape(k_hidden)[1]
+    if (
+        None in (n_queries, hiddens, n_keys)
+        or n_queries * hiddens * n_keys < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES
+    ):
+        return None
+    return _hiding_enough(ops.additive_key_lengths(q_hidden, k_hidden, masks.valid_lens), n_keys)
+
+
 # Attending each sequence over its visible keys pays for the loop's smaller products only
-# where the batch hides at least this share of its keys (measured on torch).
+# where the batch hides at least this share of its keys (measured on torch; the additive
+# features over the visible keys take the same share).
 VISIBLE_KEYS_MAX_SHARE = 0.85
 
 
@@ -370,10 +418,15 @@ def _visible_key_lengths(
     sequence, which hide enough of the keys; else None."""
     if not masks.only_lengths:
         return None
-    raw = ops.visible_key_lengths(queries, keys, values, masks.valid_lens)
+    return _hiding_enough(
+        ops.visible_key_lengths(queries, keys, values, masks.valid_lens), ops.shape(keys)[-2]
+    )
+
+
+def _hiding_enough(raw: Optional[list], n_keys: int) -> Optional[list]:
+    """The lengths an adapter read (or None), clipped, where they hide enough of the keys."""
     if raw is None:
         return None
-    n_keys = ops.shape(keys)[-2]
     lengths = clip_lengths(raw, n_keys)
     return lengths if sum(lengths) <= VISIBLE_KEYS_MAX_SHARE * n_keys * len(lengths) else None
 

@@ -116,6 +116,21 @@ def test_gradients_match_finite_differences(bk, function, mask, dtype, monkeypat
     assert_gradients_close(bk, got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_additive_features_over_the_visible_keys_have_the_gradients(bk, dtype, monkeypatch):
+    # lengths [0, 7] of 5 keys: the first sequence makes no features, the second all of them
+    from .test_strategies import READ_ADDITIVE_KEY_LENGTHS, force_additive_visible_keys
+
+    needs_autodiff(bk)
+    runs = force_additive_visible_keys(monkeypatch)
+    got = backend_grads(bk, "additive", "1d", dtype)
+    assert_gradients_close(bk, got, finite_differences("additive", "1d"), dtype)
+    if bk.name in READ_ADDITIVE_KEY_LENGTHS:
+        assert runs == [[0, 5]], "not run, or the lengths misread"
+    else:
+        assert runs == []
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_masked_and_fully_masked_rows_get_exactly_zero_gradient(bk, dtype):
     needs_autodiff(bk)

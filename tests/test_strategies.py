@@ -136,6 +136,48 @@ def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, activatio
         _both(bk, got, math_scores, want, dtype)
 
 
+# the adapters whose additive_key_lengths reads the lengths (measured faster there)
+READ_ADDITIVE_KEY_LENGTHS = ("numpy", "paddle")
+
+
+def force_additive_visible_keys(monkeypatch):
+    """Every size and share of hidden keys takes the additive features over the visible keys
+    where the adapter reads the lengths; the list records each run's lengths."""
+    runs: list = []
+    real = strategies.additive_scores_over_visible_keys
+
+    def spy(ops, q_hidden, k_hidden, w_v, lengths):
+        runs.append(list(lengths))
+        return real(ops, q_hidden, k_hidden, w_v, lengths)
+
+    monkeypatch.setattr(strategies, "ADDITIVE_VISIBLE_KEYS_MIN_FEATURES", 0)
+    monkeypatch.setattr(strategies, "VISIBLE_KEYS_MAX_SHARE", 1.0)
+    monkeypatch.setattr(strategies, "additive_scores_over_visible_keys", spy)
+    return runs
+
+
+@pytest.mark.parametrize("activation", ["tanh", "sigmoid"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_additive_features_over_the_visible_keys(bk, dtype, activation, monkeypatch):
+    # lengths with a fully masked sequence and an over-long one; blocks of one query, so that
+    # each sequence's scores come from several blocks
+    ops = bk.module.ops
+    runs = force_additive_visible_keys(monkeypatch)
+    monkeypatch.setattr(ops, "feature_block_elements", 1)
+    force_activation(bk, monkeypatch, activation)
+    t, a, lens, lens_t = _case(bk, dtype, "1d", seed=5)
+    weights = {name: t[name] for name in ("W_q", "W_k", "w_v")}
+    got, got_w = strategies.additive_attention_from_weights(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    want, want_w = ref.additive_attention(a["q"], a["k"], a["v"], lens, a["W_q"], a["W_k"], a["w_v"])
+    math_out, math_w = core.additive_attention(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    _both(bk, got, math_out, want, dtype)
+    _both(bk, got_w, math_w, want_w, dtype)
+    if bk.name in READ_ADDITIVE_KEY_LENGTHS:
+        assert runs == [[ref.valid_count(n, K) for n in lens]], "not run, or the lengths misread"
+    else:
+        assert runs == []
+
+
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernel(bk, dtype, mask, monkeypatch):

@@ -137,17 +137,11 @@ class PaddleOps(Ops):
 
     def host_lengths(self, x, lens):
         # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
-        # under autograd (softmax's backward needs its output as it was), not in a static
-        # graph (the lengths would be baked in).
-        if not (
-            len(lens.shape) == 1
-            and paddle.in_dynamic_mode()
-            and x.place.is_cpu_place()
-            and lens.place.is_cpu_place()
-            and _untracked(x)
-        ):
-            return None
-        return lens.tolist()
+        # under autograd (softmax's backward needs its output as it was).
+        return _cpu_lengths(x, lens) if _untracked(x) else None
+
+    def additive_key_lengths(self, q_hidden, k_hidden, lens):
+        return _cpu_lengths(q_hidden, lens)
 
     def copy(self, x):
         return x.clone()
@@ -158,6 +152,19 @@ class PaddleOps(Ops):
             if arg != "valid_lens" and x is not None and x.dtype in _HALF and x.place.is_cpu_place():
                 kernels = _NO_HALF.format("matmul, tanh and where")
                 raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {kernels}; use float32 (or a GPU)")
+
+
+def _cpu_lengths(x, lens) -> Optional[list]:
+    """lens (B,) as Python numbers where they and x are on the CPU, outside a static graph
+    (which would bake them in); else None."""
+    if not (
+        len(lens.shape) == 1
+        and paddle.in_dynamic_mode()
+        and x.place.is_cpu_place()
+        and lens.place.is_cpu_place()
+    ):
+        return None
+    return lens.tolist()
 
 
 def _untracked(x) -> bool:
