@@ -163,13 +163,11 @@ def _dtype_list(text: str) -> List[str]:
 def cmd_report(args: argparse.Namespace) -> int:
     """`report`: one table from `check --json` files (exit 1 on a failed row), or the native
     tables from `check --native --json` files (exit 0, as `check --native`)."""
-    from .check import load_json
+    from .check import load_json, native
 
     results, seed, of_natives = load_json(args.files)
     if not of_natives:
         return _finish(results, seed, args)
-    from .check import native
-
     ran, missing = native.split_absent(results)
     _finish_native(ran, seed, args, missing)
     return 0
