@@ -43,6 +43,7 @@ def _tolerance(text: str) -> tuple:
 
 
 def _progress(message: str) -> None:
+    sys.stdout.flush()  # what was printed before stays before it where both streams go to one log
     print(message, file=sys.stderr, flush=True)
 
 

@@ -350,13 +350,22 @@ def test_the_page_comparison_ignores_the_date_and_the_last_bits():
     assert native.compare_pages(page, native.markdown({}, {"torch": "2"}, today="2001-02-03")) == []
     old = "| `a` | 1d | output 0.68 from the reference > 1e-05 |"
     assert native.compare_pages(old, old.replace("0.68", "0.71")) == []  # the same size
+    keras = "| `k` | none: gradient of W_o 3.3e-08 from the reference > 2.4e-09 |"  # float32 accuracy
+    assert native.compare_pages(keras, keras.replace("3.3e-08", "3.1e-08")) == []  # either side of 10**-7.5
+    assert native.compare_pages(keras, keras.replace("3.3e-08", "4.0e-09")) == []
+    grown = keras.replace("3.3e-08", "4.0e-07")
+    assert native.compare_pages(keras, grown) == [f"- {keras}", f"+ {grown}"]
+    exact = "| `m` | dot_product float64 | 0.0e+00 | 2.2e-16 |"  # float64 round-off is CPU-specific
+    assert native.compare_pages(exact, "| `m` | dot_product float64 | 1.1e-16 | 0.0e+00 |") == []
+    wrong = "| `m` | dot_product float64 | 0.0e+00 | 2.2e-06 |"
+    assert native.compare_pages(exact, wrong) == [f"- {exact}", f"+ {wrong}"]
     assert native.compare_pages(old, old.replace("1d", "2d")) == [f"- {old}", f"+ {old.replace('1d', '2d')}"]
     assert native.compare_pages(old, "| `b` | x |", labels=["a"]) == [f"- {old}"]
 
 
 def test_the_committed_page_is_current():
-    """What `tox -e native` checks, for the frameworks under test (run in this process): the
-    committed page's tables are a fresh run's; and it has every implementation's rows."""
+    """What `tox` checks (the `native` commands), for the frameworks under test (run in this
+    process): the committed page's tables are a fresh run's; and it has every implementation's rows."""
     with open(PAGE) as f:
         committed = f.read()
     assert committed.startswith("# Where frameworks' own attention disagrees")
