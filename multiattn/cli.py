@@ -76,7 +76,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     backends = args.backends or installed_backends()
     _progress(f"multiattn {__version__}: checking {', '.join(backends)} (seed {args.seed})")
     results = run_check(backends, seed=args.seed, in_process=args.in_process, progress=_progress)
-    return _finish(results, args.seed, args)
+    code = _finish(results, args.seed, args)
+    note = "" if args.backends else _not_installed_note(backends)
+    if note:
+        _progress(note)
+    return code
+
+
+def _not_installed_note(installed: List[str]) -> str:
+    """What a check of the installed backends left out, and how to add it ('' if nothing)."""
+    from ._registry import BACKENDS
+
+    absent = [name for name in BACKENDS if name not in installed]
+    if not absent:
+        return ""
+    report = "`multiattn report`: docs/check.md"
+    if "mxnet" in installed:
+        how = [f"with mxnet's numpy<1.24 they join from another environment ({report})"]
+    else:
+        extras = [BACKENDS[name][1] for name in absent if name != "mxnet"]
+        how = [f"pip install 'multiattn[{','.join(extras)}]' adds {'them' if len(extras) > 1 else 'it'}"]
+        how = how if extras else []
+        if "mxnet" in absent:
+            how.append(f"mxnet joins from an environment of its own (numpy<1.24; {report})")
+    return f"(not installed here, so not checked: {', '.join(absent)}; {'; '.join(how)})"
 
 
 def cmd_against(args: argparse.Namespace) -> int:

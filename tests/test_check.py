@@ -153,3 +153,27 @@ def test_paddle_half_reasons_name_what_each_case_needs(capsys):
         m.from_numpy(np.ones((2, 3, 4)), "float32"), m.from_numpy(np.array([1.5, 3.0]), "float16")
     )
     np.testing.assert_array_equal(m.to_numpy(weights)[0, :, 2:], 0.0)
+
+
+def test_a_check_of_what_is_installed_names_what_is_not(monkeypatch, capsys):
+    monkeypatch.setattr(multiattn.check, "installed_backends", lambda: ["numpy"])
+    assert cli.main(["check", "--in-process"]) == 0
+    note = capsys.readouterr().err.splitlines()[-1]
+    absent = "torch, tensorflow, jax, mxnet, paddle, mlx, array_api"
+    assert note.startswith(f"(not installed here, so not checked: {absent};")
+    assert "pip install 'multiattn[torch,tensorflow,jax,paddle,mlx,array-api]' adds them" in note
+    assert "mxnet joins from an environment of its own" in note
+    assert cli._not_installed_note(["numpy", "torch", "tensorflow", "jax", "paddle", "mlx", "array_api"]) == (
+        "(not installed here, so not checked: mxnet; mxnet joins from an environment of its own "
+        "(numpy<1.24; `multiattn report`: docs/check.md))"
+    )
+    but_torch = ["numpy", "tensorflow", "jax", "paddle", "mlx", "array_api"]
+    assert cli._not_installed_note(but_torch).startswith(
+        "(not installed here, so not checked: torch, mxnet; pip install 'multiattn[torch]' adds it; mxnet"
+    )
+    assert cli._not_installed_note(["numpy", "mxnet"]).endswith(
+        "with mxnet's numpy<1.24 they join from another environment (`multiattn report`: docs/check.md))"
+    )
+    assert cli._not_installed_note(list(multiattn.check.BACKENDS)) == ""
+    assert cli.main(["check", "--backends", "numpy", "--in-process"]) == 0  # asked for: nothing to name
+    assert "not installed" not in capsys.readouterr().err
