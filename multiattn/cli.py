@@ -95,8 +95,10 @@ def _not_installed_note(installed: List[str]) -> str:
         how = [f"with mxnet's numpy<1.24 they join from another environment ({report})"]
     else:
         extras = [BACKENDS[name][1] for name in absent if name != "mxnet"]
-        how = [f"pip install 'multiattn[{','.join(extras)}]' adds {'them' if len(extras) > 1 else 'it'}"]
-        how = how if extras else []
+        how = []
+        if extras:
+            them = "them" if len(extras) > 1 else "it"
+            how.append(f"pip install 'multiattn[{','.join(extras)}]' adds {them}")
         if "mxnet" in absent:
             how.append(f"mxnet joins from an environment of its own (numpy<1.24; {report})")
     return f"(not installed here, so not checked: {', '.join(absent)}; {'; '.join(how)})"
