@@ -17,7 +17,7 @@ from typing import Any
 
 from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
 from ._registry import selected_backend as _selected_backend
-from .checks import InputDtypeError
+from .validation import InputDtypeError
 
 __version__ = "0.1.0"
 

@@ -29,7 +29,7 @@ import functools
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
-from . import checks, core
+from . import core, validation
 from .core import Dropout
 from .protocol import Ops, Tensor, clip_lengths
 
@@ -57,8 +57,8 @@ def masked_softmax(
     ops: Ops, X: Tensor, valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False
 ) -> Tensor:
     """``core.masked_softmax`` for the caller's X, which is never written."""
-    shape, attention_mask = checks.check_scores(ops, X, valid_lens, attention_mask, causal)
-    if checks.is_empty(shape):
+    shape, attention_mask = validation.check_scores(ops, X, valid_lens, attention_mask, causal)
+    if validation.is_empty(shape):
         return ops.zeros(shape, X)
     if Masks(valid_lens, attention_mask, causal).only_lengths:
         lengths = _host_lengths(ops, X, valid_lens, shape[-1])
@@ -80,13 +80,13 @@ def dot_product_attention(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``core.dot_product_attention``; need_weights=False allows the fused kernel and
     returns None for the weights."""
-    q_shape, k_shape, _ = checks.check_attention_inputs(
+    q_shape, k_shape, _ = validation.check_attention_inputs(
         ops, queries, keys, values, valid_lens, same_width=True
     )
     masks = _checked_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
-    if checks.is_empty(q_shape[:2] + k_shape[1:2]):
+    if validation.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
-    scale = 1.0 / math.sqrt(checks.check_known_width(q_shape))
+    scale = 1.0 / math.sqrt(validation.check_known_width(q_shape))
     return scaled_dot_product(ops, queries, keys, values, masks, scale, dropout, need_weights)
 
 
@@ -108,11 +108,11 @@ def additive_attention(
 ) -> tuple[Tensor, Tensor]:
     """``core.additive_attention`` with the projections W_q q, W_k k given as functions
     (a layer's own linear maps); query_size/key_size: the widths they take."""
-    q_shape, k_shape, _ = checks.check_attention_inputs(
+    q_shape, k_shape, _ = validation.check_attention_inputs(
         ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
     )
     masks = _checked_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
-    if checks.is_empty(q_shape[:2] + k_shape[1:2]):
+    if validation.is_empty(q_shape[:2] + k_shape[1:2]):
         return _empty_attention(ops, queries, keys, values)
     q_hidden, k_hidden = project_q(queries), project_k(keys)
     lengths = _additive_visible_key_lengths(ops, q_hidden, k_hidden, masks)
@@ -138,7 +138,7 @@ def additive_attention_from_weights(
     causal: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
-    query_size, key_size = checks.check_additive_weights(ops, W_q, W_k, w_v, queries)
+    query_size, key_size = validation.check_additive_weights(ops, W_q, W_k, w_v, queries)
     return additive_attention(
         ops, queries, keys, values, valid_lens,
         project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
@@ -166,13 +166,13 @@ def multi_head_attention(
     """``core.multi_head_attention`` with the four projections given as functions by name
     ("q", "k", "v", "o": a layer's own linear maps, or the canonical weights'); sizes: the
     widths of queries, keys and values they take (None: not checked here)."""
-    q_shape, k_shape, _ = checks.check_attention_inputs(
+    q_shape, k_shape, _ = validation.check_attention_inputs(
         ops, queries, keys, values, valid_lens, query_size=sizes[0], key_size=sizes[1], value_size=sizes[2]
     )
-    checks.check_num_heads(num_heads, num_hiddens)
+    validation.check_num_heads(num_heads, num_hiddens)
     batch, n_queries, n_keys = q_shape[0], q_shape[1], k_shape[1]
     masks = _checked_masks(ops, valid_lens, attention_mask, causal, (batch, num_heads, n_queries, n_keys))
-    if checks.is_empty((batch, n_queries)):
+    if validation.is_empty((batch, n_queries)):
         return ops.zeros((batch, n_queries, num_hiddens), queries), ops.zeros(
             (batch, num_heads, n_queries, n_keys), queries
         )
@@ -201,8 +201,8 @@ def multi_head_attention_from_weights(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Multi-head attention with the canonical weights W_q (h, q), W_k (h, k), W_v (h, v),
     W_o (h, h) and, with biases, b_q, b_k, b_v, b_o (h,)."""
-    checks.check_attention_inputs(ops, queries, keys, values, valid_lens)
-    checks.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
+    validation.check_attention_inputs(ops, queries, keys, values, valid_lens)
+    validation.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
     project = {
         n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n)) for n in "qkvo"
     }
@@ -378,8 +378,8 @@ def _checked_masks(
 ) -> Masks:
     if attention_mask is None and causal is False:  # the common case, in two comparisons
         return NO_MASKS if valid_lens is None else Masks(valid_lens)
-    checks.check_causal(causal)
-    return Masks(valid_lens, checks.check_attention_mask(ops, attention_mask, scores_shape), causal)
+    validation.check_causal(causal)
+    return Masks(valid_lens, validation.check_attention_mask(ops, attention_mask, scores_shape), causal)
 
 
 # Each sequence's additive features over its visible keys pay for the loop over the sequences

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 
 from .._registry import BackendImportError
-from ..checks import InputDtypeError
+from ..validation import InputDtypeError
 
 if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
     raise BackendImportError(
@@ -30,7 +30,7 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
-from .. import _registry, checks, core, functional, layers, protocol, strategies  # noqa: E402
+from .. import _registry, core, functional, layers, protocol, strategies, validation  # noqa: E402
 from ..functional import bind  # noqa: E402
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
 
@@ -178,7 +178,7 @@ __getattr__ = layer_exports("paddle")
 
 # paddle.jit.to_static would transcribe every function a layer calls, the framework-free
 # modules included, and trips on their plain Python; those modules run as Python instead.
-paddle.jit.ignore_module([_registry, checks, core, functional, layers, protocol, strategies])
+paddle.jit.ignore_module([_registry, validation, core, functional, layers, protocol, strategies])
 
 
 def vjp(fn, args, cotangent):

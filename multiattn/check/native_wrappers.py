@@ -118,12 +118,12 @@ def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.nda
     """(canonical names in order, {native parameter path: indices into the concatenation of
     the flattened canonical weights}), from ``multiattn.layers.native``'s converter of the
     framework; ``Unsupported`` with its message where the layer cannot take cfg's sizes."""
-    from .. import checks
+    from .. import validation
     from ..layers import native
 
     to = {"torch": native.torch_to, "tensorflow": native.keras_to, "jax": native.flax_to,
           "paddle": native.paddle_to, "mlx": native.mlx_to}[framework]  # fmt: skip
-    shapes = checks.multi_head_weight_shapes(cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size,
+    shapes = validation.multi_head_weight_shapes(cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size,
                                              cfg.bias)  # fmt: skip
     index, offset = {}, 0
     for name, shape in shapes.items():

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import checks, core, strategies
+from .. import validation, core, strategies
 from ..protocol import Ops, Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
@@ -48,7 +48,7 @@ def check_multi_head_sizes(num_hiddens: Any, num_heads: Any, sizes: tuple) -> tu
     """(num_hiddens, num_heads, (query_size, key_size, value_size)), the sizes defaulting to
     num_hiddens; ValueError naming the argument."""
     num_hiddens = check_size("num_hiddens", num_hiddens)
-    checks.check_num_heads(num_heads, num_hiddens)
+    validation.check_num_heads(num_heads, num_hiddens)
     widths = tuple(
         num_hiddens if size is None else check_size(arg, size)
         for arg, size in zip(("query_size", "key_size", "value_size"), sizes)
@@ -141,7 +141,7 @@ class MultiHeadWeights(CanonicalWeightsMixin):
     bias: bool
 
     def _weight_shapes(self):
-        return checks.multi_head_weight_shapes(
+        return validation.multi_head_weight_shapes(
             self.num_hiddens, self.query_size, self.key_size, self.value_size, self.bias
         )
 

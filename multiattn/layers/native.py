@@ -20,7 +20,7 @@ from typing import Any, Dict, Mapping, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-from .. import checks
+from .. import validation
 
 Arrays = Dict[str, np.ndarray]
 NAMES = "qkvo"
@@ -94,7 +94,7 @@ def _canonical(W: Mapping[str, np.ndarray], b: Mapping[str, Optional[np.ndarray]
 
 
 def _weights(cfg: Config, weights: Mapping[str, Any]) -> Arrays:
-    shapes = checks.multi_head_weight_shapes(
+    shapes = validation.multi_head_weight_shapes(
         cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias
     )
     return {name: _shape("the canonical weights", name, weights.get(name), s) for name, s in shapes.items()}
