@@ -40,8 +40,8 @@ def measured_faster(
     repeat: int = 5,
 ) -> bool:
     """Whether ``first(x)`` takes less time than ``second(x)`` on this machine (best of repeat,
-    alternating), x = make_input(), measured once per key and process: a few ms at first use,
-    a dict lookup after."""
+    alternating), x = make_input(), measured once per key and process: a short timing at first
+    use, a dict lookup after."""
     if key not in _MEASURED:
         x = make_input()
         best = [math.inf, math.inf]

@@ -132,10 +132,10 @@ def cmd_against(args: argparse.Namespace) -> int:
 
 def _finish_native(results: Dict[str, dict], seed: int, args: argparse.Namespace, missing: dict) -> None:
     """The native tables (each implementation against the reference) and, with --json, the file."""
-    from .check import native, save_json
+    from .check import native, native_report, save_json
 
     overrides = dict(args.tolerance or [])
-    print(native.render(results, seed, overrides))
+    print(native_report.render(results, seed, overrides))
     for label, why in missing.items():
         print(f"({label}: not run, not importable here: {why})")
     if getattr(args, "json", None):
@@ -147,7 +147,9 @@ def _finish_native(results: Dict[str, dict], seed: int, args: argparse.Namespace
 def cmd_native(args: argparse.Namespace) -> int:
     """`check --native`: each framework's own attention through the battery; exit 0 with the
     table (a disagreement is a finding about the framework, not a failure)."""
-    from .check import installed_backends, native, run_native
+    from .check import installed_backends, native_report, run_native
+    from .check.native_wrappers import FRAMEWORKS
+    from .check.results import split_absent
 
     others = [flag for flag, given in (("--against", args.against), ("--kind", args.kind),
               ("--backend", args.backend), ("--dtypes", args.dtypes), ("--skip-fully-masked",
@@ -157,17 +159,17 @@ def cmd_native(args: argparse.Namespace) -> int:
             f"--native runs each framework's own attention: {', '.join(others)} does not go with it"
         )
     asked = args.backends or installed_backends()
-    backends = [b for b in asked if b in native.FRAMEWORKS]
+    backends = [b for b in asked if b in FRAMEWORKS]
     if not backends:
         raise ValueError(
             f"--native: none of {', '.join(asked)} has attention of its own "
-            f"(those that do: {', '.join(native.FRAMEWORKS)})"
+            f"(those that do: {', '.join(FRAMEWORKS)})"
         )
     _progress(f"multiattn {__version__}: the own attention of {', '.join(backends)} (seed {args.seed})")
-    results, missing = native.split_absent(run_native(backends, seed=args.seed, progress=_progress))
+    results, missing = split_absent(run_native(backends, seed=args.seed, progress=_progress))
     _finish_native(results, args.seed, args, missing)
     if args.markdown:
-        page = native.markdown(results, native.versions_of(results), args.seed, missing)
+        page = native_report.markdown(results, native_report.versions_of(results), args.seed, missing)
         with open(args.markdown, "w") as f:
             f.write(page)
         _progress(f"page written to {args.markdown}")
@@ -189,12 +191,13 @@ def _dtype_list(text: str) -> List[str]:
 def cmd_report(args: argparse.Namespace) -> int:
     """`report`: one table from `check --json` files (exit 1 on a failed row), or the native
     tables from `check --native --json` files (exit 0, as `check --native`)."""
-    from .check import load_json, native
+    from .check import load_json
+    from .check.results import split_absent
 
     results, seed, of_natives = load_json(args.files)
     if not of_natives:
         return _finish(results, seed, args)
-    ran, missing = native.split_absent(results)
+    ran, missing = split_absent(results)
     _finish_native(ran, seed, args, missing)
     return 0
 

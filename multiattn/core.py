@@ -1,35 +1,186 @@
-"""The math of d2l sections 11.3 and 11.5, once, over the required primitives of ``protocol.Ops``.
+"""The math of d2l sections 11.3 and 11.5, once: the code every public call runs.
 
-Each function is the book's formula and nothing else: no argument checks
-(``checks``), no fast paths (``strategies``, which pick one per call and fall
-back to these functions; the tests hold every strategy to them and to an
-independent float64 reference).  Shapes: queries (B, [H,] Q, q), keys (B, [H,] K, k),
-values (B, [H,] K, v), scores and weights (B, [H,] Q, K), valid_lens (B,) or (B, Q),
-attention_mask boolean (True: may attend), broadcastable to the scores.
+Each entry function (``masked_softmax``, ``dot_product_attention``, ``additive_attention``,
+``multi_head_attention``) is the book's algorithm as a short sequence of named steps over
+the required primitives of ``protocol.Ops``.  Three steps may be done by an adapter's
+specialisation instead (``specialise.run``: ``dot_product_attend``, ``masked_softmax``,
+``additive_scores``); each replaces that step and nothing else, and the core's formula runs
+where they decline.  The arguments arrive checked (``validation``), the masks as one value
+(``masks.Masks``).  Shapes: queries (B, [H,] Q, q), keys (B, [H,] K, k), values (B, [H,] K, v),
+scores and weights (B, [H,] Q, K), valid_lens (B,) or (B, Q), attention_mask boolean
+(True: may attend), broadcastable to the scores.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from .protocol import Ops, Tensor
+from . import specialise
+from .masks import NO_MASKS, Masks
 
+Tensor = Any
+Ops = Any  # protocol.Ops (not imported: protocol's specialisations build on this module)
 Dropout = Optional[Callable[[Tensor], Tensor]]
 
 
+# -- entry functions -----------------------------------------------------------------------
+
+
+def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS) -> Tensor:
+    """softmax over the last axis with the hidden positions weighted exactly 0:
+    w_ij = exp(x_ij) / sum_{l visible} exp(x_il) for j visible (``visibility``), else 0.
+    X is the caller's, never written."""
+    if 0 in ops.shape(X):
+        return ops.zeros(ops.shape(X), X)
+    return masked_weights(ops, X, None, masks, owned=False)[0]
+
+
+def dot_product_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks = NO_MASKS,
+    *,
+    scale: Optional[float] = None,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """softmax(Q K^T / sqrt(d)) V, masked: (output (B, [H,] Q, v), weights (B, [H,] Q, K), or
+    None for the weights where need_weights is False).  scale: 1 / sqrt(d) by default."""
+    if nothing_to_attend(ops, queries, keys):
+        return no_attention(ops, queries, keys, values)
+    if scale is None:
+        scale = 1.0 / math.sqrt(ops.shape(queries)[-1])
+    done = specialise.run(ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights)
+    if done is not None:
+        return done
+    scores = dot_product_scores(ops, queries, keys, scale)
+    out, weights = attend(ops, scores, values, masks, dropout, exact=need_weights)
+    return out, (weights if need_weights else None)
+
+
+def additive_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks = NO_MASKS,
+    *,
+    project_q: Callable[[Tensor], Tensor],
+    project_k: Callable[[Tensor], Tensor],
+    w_v: Tensor,
+    dropout: Dropout = None,
+) -> tuple[Tensor, Tensor]:
+    """a(q, k) = w_v^T tanh(W_q q + W_k k), no biases: (output, weights).  project_q and
+    project_k: q -> W_q q and k -> W_k k (the canonical weights', or a layer's own maps)."""
+    if nothing_to_attend(ops, queries, keys):
+        return no_attention(ops, queries, keys, values)
+    scores = additive_scores(ops, project_q(queries), project_k(keys), w_v, masks)
+    return attend(ops, scores, values, masks, dropout)
+
+
+def multi_head_attention(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks = NO_MASKS,
+    *,
+    project: Mapping[str, Callable[[Tensor], Tensor]],
+    num_heads: int,
+    num_hiddens: int,
+    dropout: Dropout = None,
+    need_weights: bool = True,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
+    attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
+    project: "q", "k", "v", "o" -> x -> W x (+ b).  Returns (output (B, Q, num_hiddens),
+    weights (B, H, Q, K) or None where need_weights is False)."""
+    (batch, n_queries), n_keys = ops.shape(queries)[:2], ops.shape(keys)[1]
+    if 0 in (batch, n_queries):
+        return (
+            ops.zeros((batch, n_queries, num_hiddens), queries),
+            ops.zeros((batch, num_heads, n_queries, n_keys), queries),
+        )
+    if n_keys == 0:  # every row fully masked: the heads give 0
+        heads = ops.zeros((batch, n_queries, num_hiddens), queries)
+        return project["o"](heads), ops.zeros((batch, num_heads, n_queries, 0), queries)
+    q, k, v = (ops.split_heads(project[n](x), num_heads) for n, x in zip("qkv", (queries, keys, values)))
+    scale = 1.0 / math.sqrt(num_hiddens // num_heads)
+    heads, weights = dot_product_attention(
+        ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights
+    )
+    return project["o"](ops.merge_heads(heads)), weights
+
+
+# -- steps ---------------------------------------------------------------------------------
+
+
+def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """a(q, k) = q^T k / sqrt(d): (B, [H,] Q, d), (B, [H,] K, d) -> (B, [H,] Q, K)."""
+    return ops.scaled_matmul_t(queries, keys, scale)
+
+
+def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks = NO_MASKS) -> Tensor:
+    """a(q, k) = w_v^T tanh(W_q q + W_k k) from the projections W_q q (B, Q, h) and W_k k
+    (B, K, h): the features (B, Q, K, h) summed by broadcasting, as d2l does.  Scores of keys
+    the masks hide may be anything finite (the masked softmax hides them)."""
+    done = specialise.run(ops, "additive_scores", q_hidden, k_hidden, w_v, masks)
+    if done is not None:
+        return done
+    features = ops.tanh(ops.expand_dims(q_hidden, 2) + ops.expand_dims(k_hidden, 1))
+    return ops.matmul(features, w_v)
+
+
+def attend(
+    ops: Ops, scores: Tensor, values: Tensor, masks: Masks = NO_MASKS, dropout: Dropout = None, exact: bool = True
+) -> tuple[Tensor, Tensor]:
+    """(attention pooling of values by the masked softmax of scores, the weights before
+    dropout), for scores the core made itself.  exact=False: only the output is wanted."""
+    weights, values = masked_weights(ops, scores, values, masks, owned=True, exact=exact)
+    return attention_pooling(ops, weights, values, dropout), weights
+
+
+def masked_weights(
+    ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool = True
+) -> tuple[Tensor, Optional[Tensor]]:
+    """(the masked softmax of scores, values with the rows no query may see set to 0).
+    owned: the scores are the core's own, and may be written.  exact=False: the weights of a
+    row with nothing visible may be anything where the output of that row is still 0 (one
+    length per sequence: its visible values are none, all zeroed)."""
+    done = specialise.run(ops, "masked_softmax", scores, values, masks, owned, exact)
+    if done is not None:
+        return done
+    mask = visibility(ops, masks, scores)
+    weights = softmax_where(ops, scores, mask)
+    if mask is None or values is None:
+        return weights, values
+    return weights, visible_values(ops, values, mask)
+
+
 def visibility(
-    ops: Ops, scores: Tensor, valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False
+    ops: Ops, masks: Masks, scores: Tensor = None, *, queries: Tensor = None, keys: Tensor = None
 ) -> Optional[Tensor]:
-    """Which key each query may see, for scores (B, [H,] Q, K): j < valid_len, attention_mask
-    and (causal) j <= i, all of them (AND); None where every key is visible."""
-    shape = ops.shape(scores)
-    masks = [] if valid_lens is None else [ops.length_mask(scores, valid_lens)]  # (B, 1|Q, K)
-    if attention_mask is not None:
-        masks.append(attention_mask)
-    if causal:
-        masks.append(ops.causal_mask(shape[-2], shape[-1], scores))
-    return all_of(ops, masks, len(shape))
+    """Which key each query may see, for scores (B, [H,] Q, K) (or, where there are none, a
+    fused kernel's, for queries and keys): j < valid_len, attention_mask and (causal) j <= i,
+    all of them (AND); None where every key is visible."""
+    if masks.none:
+        return None
+    if scores is not None:
+        like, rank, (n_queries, n_keys), key_axis = scores, len(ops.shape(scores)), ops.shape(scores)[-2:], -1
+    else:
+        like, rank, key_axis = queries, len(ops.shape(queries)), -2
+        n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    parts = []
+    if masks.valid_lens is not None:
+        parts.append(ops.length_mask(like if scores is not None else keys, masks.valid_lens, axis=key_axis))
+    if masks.attention_mask is not None:
+        parts.append(masks.attention_mask)
+    if masks.causal:
+        parts.append(ops.causal_mask(n_queries, n_keys, like))
+    return all_of(ops, parts, rank)
 
 
 def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
@@ -46,20 +197,10 @@ def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
     return combined
 
 
-def masked_softmax(
-    ops: Ops, X: Tensor, valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False
-) -> Tensor:
-    """softmax over the last axis with the hidden positions weighted exactly 0:
-    w_ij = exp(x_ij) / sum_{l visible} exp(x_il) for j visible (``visibility``), else 0.
-
-    The fill is the dtype's lowest finite value, not -inf (d2l: -1e6), so a fully
-    masked row stays free of NaN; the second ``where`` makes it all zeros."""
-    mask = visibility(ops, X, valid_lens, attention_mask, causal)
-    return softmax_where(ops, X, mask)
-
-
 def softmax_where(ops: Ops, X: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """``masked_softmax`` with the visibility mask given (None: all visible)."""
+    """The masked softmax with the visibility mask given (None: all visible).  The fill is
+    the dtype's lowest finite value, not -inf (d2l: -1e6), so a fully masked row stays free
+    of NaN; the second ``where`` makes it all zeros."""
     if mask is None:
         return ops.softmax(X)
     weights = ops.softmax(ops.where(mask, X, ops.lowest(X)))
@@ -79,89 +220,19 @@ def attention_pooling(ops: Ops, weights: Tensor, values: Tensor, dropout: Dropou
     return ops.matmul(weights if dropout is None else dropout(weights), values)
 
 
-def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor) -> Tensor:
-    """a(q, k) = q^T k / sqrt(d), d the query width: (B, Q, d), (B, K, d) -> (B, Q, K)."""
-    return ops.matmul_t(queries, keys) * (1.0 / math.sqrt(ops.shape(queries)[-1]))
-
-
-def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor) -> Tensor:
-    """a(q, k) = w_v^T tanh(W_q q + W_k k) from the projections W_q q (B, Q, h) and
-    W_k k (B, K, h): the features (B, Q, K, h) summed by broadcasting, as d2l does."""
-    features = ops.tanh(ops.expand_dims(q_hidden, 2) + ops.expand_dims(k_hidden, 1))
-    return ops.matmul(features, w_v)
-
-
-def attend(
-    ops: Ops, scores: Tensor, values: Tensor, mask: Optional[Tensor] = None, dropout: Dropout = None
-) -> tuple[Tensor, Tensor]:
-    """(attention pooling of values by the masked softmax of scores, the weights before
-    dropout); mask from ``visibility`` (None: every key visible)."""
-    weights = softmax_where(ops, scores, mask)
-    if mask is not None:
-        values = visible_values(ops, values, mask)
-    return attention_pooling(ops, weights, values, dropout), weights
-
-
-def dot_product_attention(
-    ops: Ops,
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    valid_lens: Tensor = None,
-    dropout: Dropout = None,
-    attention_mask: Tensor = None,
-    causal: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """softmax(Q K^T / sqrt(d)) V, masked: (output (B, [H,] Q, v), weights (B, [H,] Q, K))."""
-    scores = dot_product_scores(ops, queries, keys)
-    return attend(ops, scores, values, visibility(ops, scores, valid_lens, attention_mask, causal), dropout)
-
-
-def additive_attention(
-    ops: Ops,
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    valid_lens: Tensor = None,
-    *,
-    W_q: Tensor,
-    W_k: Tensor,
-    w_v: Tensor,
-    dropout: Dropout = None,
-    attention_mask: Tensor = None,
-    causal: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """Additive attention, canonical weights W_q (h, q), W_k (h, k), w_v (h,), no biases."""
-    scores = additive_scores(ops, ops.matmul_t(queries, W_q), ops.matmul_t(keys, W_k), w_v)
-    return attend(ops, scores, values, visibility(ops, scores, valid_lens, attention_mask, causal), dropout)
-
-
 def linear(ops: Ops, x: Tensor, W: Tensor, b: Tensor = None) -> Tensor:
     """W x + b for every row of x: x (..., in), W (out, in), b (out,) or None."""
     y = ops.matmul_t(x, W)
     return y if b is None else y + b
 
 
-def multi_head_attention(
-    ops: Ops,
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    valid_lens: Tensor = None,
-    *,
-    weights: Mapping[str, Tensor],
-    num_heads: int,
-    dropout: Dropout = None,
-    attention_mask: Tensor = None,
-    causal: bool = False,
-) -> tuple[Tensor, Tensor]:
-    """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
-    attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
-    weights: canonical W_q (h, q), W_k (h, k), W_v (h, v), W_o (h, h), biases b_* (h,) or
-    none.  Returns (output (B, Q, h), weights (B, H, Q, K))."""
-    q, k, v = (
-        ops.split_heads(linear(ops, x, weights["W_" + n], weights.get("b_" + n)), num_heads)
-        for x, n in ((queries, "q"), (keys, "k"), (values, "v"))
-    )
-    heads, attention = dot_product_attention(ops, q, k, v, valid_lens, dropout, attention_mask, causal)
-    return linear(ops, ops.merge_heads(heads), weights["W_o"], weights.get("b_o")), attention
+def nothing_to_attend(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
+    """Some dimension of the scores (B, [H,] Q, K) is 0 (some frameworks abort on empty
+    kernels, so no kernel runs)."""
+    return 0 in ops.shape(queries)[:-1] or ops.shape(keys)[-2] == 0
+
+
+def no_attention(ops: Ops, queries: Tensor, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """The answer where some dimension is 0: no keys means every row fully masked, so 0."""
+    rows, n_keys, width = ops.shape(queries)[:-1], ops.shape(keys)[-2], ops.shape(values)[-1]
+    return ops.zeros(tuple(rows) + (width,), values), ops.zeros(tuple(rows) + (n_keys,), values)

@@ -1,14 +1,17 @@
 """The functional API of a backend, bound once from its ops and its tensor check.
 
-Every adapter gets the same four functions; only the ops object and the
-check that arguments are the adapter's own tensors differ.
+Every adapter gets the same four functions; only the ops object and the check that
+arguments are the adapter's own tensors differ.  Each checks its arguments
+(``validation``), gathers the masks into one value and enters the core function of its
+name.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, Tuple
 
-from . import strategies
+from . import core, validation
 from ._registry import known_types
 from .protocol import Ops, Tensor
 
@@ -34,7 +37,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             and (attention_mask is None or type(attention_mask) in known)
         ):
             check(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-        return strategies.masked_softmax(ops, X, valid_lens, attention_mask, causal)
+        return core.masked_softmax(ops, X, validation.softmax_call(ops, X, valid_lens, attention_mask, causal))
 
     def dot_product_attention(
         queries: Tensor,
@@ -64,10 +67,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 valid_lens=valid_lens,
                 attention_mask=attention_mask,
             )
-        out, weights = strategies.dot_product_attention(
-            ops, queries, keys, values, valid_lens, need_weights=return_weights,
-            attention_mask=attention_mask, causal=causal,
-        )  # fmt: skip
+        masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
+        out, weights = core.dot_product_attention(ops, queries, keys, values, masks, need_weights=return_weights)
         return (out, weights) if return_weights else out
 
     def additive_attention(
@@ -88,9 +89,13 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
             attention_mask=attention_mask,
         )  # fmt: skip
-        out, weights = strategies.additive_attention_from_weights(
-            ops, queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
-            attention_mask=attention_mask, causal=causal,
+        query_size, key_size = validation.check_additive_weights(ops, W_q, W_k, w_v, queries)
+        masks = validation.additive_call(
+            ops, queries, keys, values, valid_lens, attention_mask, causal, query_size, key_size
+        )
+        out, weights = core.additive_attention(
+            ops, queries, keys, values, masks, w_v=w_v,
+            project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
         )  # fmt: skip
         return (out, weights) if return_weights else out
 
@@ -114,9 +119,18 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask,
             **tensors,
         )  # fmt: skip
-        out, attention = strategies.multi_head_attention_from_weights(
-            ops, queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
-            need_weights=return_weights, attention_mask=attention_mask, causal=causal,
+        validation.check_attention_inputs(ops, queries, keys, values, valid_lens)
+        validation.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
+        num_hiddens = ops.shape(weights["W_q"])[0]
+        masks = validation.multi_head_call(
+            ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
+        )
+        project = {
+            n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n)) for n in "qkvo"
+        }
+        out, attention = core.multi_head_attention(
+            ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
+            need_weights=return_weights,
         )  # fmt: skip
         return (out, attention) if return_weights else out
 

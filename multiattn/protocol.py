@@ -1,13 +1,12 @@
 """The tensor-ops protocol: the only thing multiattn's math asks of a framework.
 
-``Ops`` is a base class in the style of einops' ``AbstractBackend``: the
-required primitives raise ``NotImplementedError`` until an adapter defines
-them; every optional step (a fast path, a tuning number) is defined here once,
-generically, and an adapter overrides it where its framework does better.  The
-math (``multiattn.core``) uses only the required primitives; the strategies
-(``multiattn.strategies``) use the optional steps.  A test fails for an adapter
-that defines a public member this class does not declare (a misspelled override
-would otherwise switch itself off silently).
+``Ops`` is a base class in the style of einops' ``AbstractBackend``, in two halves:
+``Primitives`` (here), the required operations that raise ``NotImplementedError`` until
+an adapter defines them and that are all the core's math (``multiattn.core``) uses; and
+``specialisations.Specialisations``, the optional ways of doing a core step faster, each
+declining unless an adapter offers it.  A test fails for an adapter that defines a public
+member neither half declares (a misspelled override would otherwise switch itself off
+silently).
 
 Tensors are used through these methods, plus what every array library has:
 ``+`` and ``*`` with a tensor or a Python float, and basic slicing
@@ -16,10 +15,10 @@ Tensors are used through these methods, plus what every array library has:
 
 from __future__ import annotations
 
-import math
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Sequence, Tuple
 
 from . import _registry
+from .specialisations import Specialisations
 
 Tensor = Any
 Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
@@ -42,9 +41,9 @@ BACKEND_EXPORTS = (
 LAYER_EXPORTS = ("AdditiveAttention", "DotProductAttention", "MultiHeadAttention")
 
 
-class Ops:
-    """The primitives of one framework.  Subclasses set ``name`` and define every
-    method of the first group; the rest have generic defaults."""
+class Primitives:
+    """The primitives of one framework, all the core's math asks.  Subclasses set ``name``
+    and define every method of the first group; the last three have generic defaults."""
 
     name: str = ""  # backend name, as in the registry
 
@@ -129,52 +128,14 @@ class Ops:
         """x in like's dtype (x itself where it has it already), differentiable."""
         raise NotImplementedError
 
-    # -- optional steps: generic here, overridden where a framework does better ---------
-
-    # Elements of one block of additive features: the scores are made block by block over
-    # the queries, so the extra memory stays a few MB instead of the whole feature tensor.
-    feature_block_elements: int = 1 << 20
-
-    # Lay the additive features out as d2l does, (B, Q, K, h), instead of keys innermost,
-    # (B, Q, h, K): for a compiler that fuses the w_v reduction best over the innermost axis.
-    hiddens_innermost: bool = False
-
-    # Fewest scores (batch * queries * keys) for which ``fused_attention`` pays its fixed cost.
-    fused_min_scores: int = 0
+    # -- primitives with a default ------------------------------------------------------
 
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
-        """``scale * (a @ b^T)`` for 3-D a (B, Q, d) and b (B, K, d)."""
+        """``scale * (a @ b^T)`` for a (B, [H,] Q, d) and b (B, [H,] K, d)."""
         n_keys, width = self.shape(b)[-2], self.shape(a)[-1]
         if n_keys is not None and width is not None and width <= n_keys:
             return self.matmul_t(a * scale, b)  # scale the smaller operand
         return self.matmul_t(a, b) * scale
-
-    def tanh_of_sum(self, a: Tensor, b: Tensor, buffers: list) -> Tensor:
-        """``tanh(a + b)`` (broadcast).  buffers: a list that lives for one call's blocks,
-        where an adapter may keep its result, no longer used once the next block comes, to
-        write the next result into its memory (the default keeps nothing)."""
-        return self.tanh(a + b)
-
-    def tanh_by_sigmoid(self, features: Tensor) -> bool:
-        """Whether additive features like ``features`` (its dtype and device) are cheaper as
-        tanh(z) = 2 sigmoid(2z) - 1 here, with ``sigmoid_of_sum``; False keeps ``tanh_of_sum``.
-        Some CPUs' tanh kernels cost several times their sigmoid (``_machine.measured_faster``)."""
-        return False
-
-    def sigmoid_of_sum(self, a: Tensor, b: Tensor, buffers: list) -> Tensor:
-        """``sigmoid(a + b)`` (broadcast), as ``tanh_of_sum``; for adapters whose
-        ``tanh_by_sigmoid`` can be True."""
-        raise NotImplementedError(f"{self.name} has no sigmoid_of_sum (tanh_by_sigmoid is False)")
-
-    def map_query_blocks(self, score_block: Callable[[Tensor], Tensor], queries: Tensor, step: int) -> Tensor:
-        """``concat([score_block(queries[:, i : i + step]) for i in range(0, Q, step)], 1)``
-        for queries (B, Q, h), only one block's intermediates alive at a time."""
-        blocks = []
-        n_queries = self.shape(queries)[1]
-        for start in range(0, n_queries, step):
-            blocks.append(score_block(queries[:, start : min(start + step, n_queries), :]))
-            self.settle(blocks[-1])
-        return self.concat(blocks, 1)
 
     def check_tensors(self, **tensors: Tensor) -> None:
         """TypeError unless every non-None argument is a tensor of this backend; by name."""
@@ -184,106 +145,11 @@ class Ops:
         """Compute x now, in a lazy framework, so that what it was computed from can be freed
         (a no-op in eager frameworks and inside compiled or vectorised functions)."""
 
-    def can_fuse(self, queries: Tensor, keys: Tensor, values: Tensor) -> bool:
-        """Whether ``fused_attention`` takes these inputs (the strategies also require
-        ``fused_min_scores``, no weights wanted and no dropout)."""
-        return False
 
-    def fused_attention(
-        self, queries: Tensor, keys: Tensor, values: Tensor, mask: Optional[Tensor], scale: float
-    ) -> Tensor:
-        """The framework's fused kernel for softmax(scale Q K^T, masked) V; mask is None or
-        boolean (B, 1|Q, K).  The strategies zero fully masked rows and padding themselves."""
-        raise NotImplementedError(f"{self.name} has no fused attention kernel (can_fuse is False)")
+class Ops(Primitives, Specialisations):
+    """What an adapter subclasses: the primitives (``Primitives``, required but for the last
+    three) and the optional specialisations (``specialisations.Specialisations``)."""
 
-    def visible_key_lengths(
-        self, queries: Tensor, keys: Tensor, values: Tensor, lens: Tensor
-    ) -> Optional[list]:
-        """lens (B,) as Python numbers where ``attend_visible_keys`` takes these inputs (B, [H,]
-        n, d) and pays for its loop over the sequences; None where it does not (the default)."""
-        return None
-
-    def attend_visible_keys(
-        self,
-        queries: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        lengths: list,
-        scale: float,
-        need_weights: bool = True,
-    ) -> Tuple[Tensor, Optional[Tensor]]:
-        """(output, weights) of dot-product attention in which sequence b attends over its first
-        lengths[b] keys only (lengths from ``visible_key_lengths``, clipped): the other keys'
-        scores are never made, their weights are 0, and a sequence with none visible gives 0;
-        with need_weights=False, (output, None).
-        Where the visible scores of a row are not finite the answer may differ from ``core``'s
-        (the strategies check the output)."""
-        raise NotImplementedError(f"{self.name} has no attend_visible_keys (visible_key_lengths is None)")
-
-    def additive_key_lengths(self, q_hidden: Tensor, k_hidden: Tensor, lens: Tensor) -> Optional[list]:
-        """lens (B,) as Python numbers where the additive features of each sequence are made
-        over its visible keys only (``strategies.additive_scores_over_visible_keys``): lengths
-        in host memory, nothing tracing or compiling (a graph would bake them in), and where
-        the loop over the sequences pays; None where not (the default)."""
-        return None
-
-    def softmax_owned(self, x: Tensor) -> Tensor:
-        """``softmax`` of scores the core made itself and no longer needs: the result may
-        take x's memory (where autograd does not need x)."""
-        return self.softmax(x)
-
-    def where_owned(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
-        """``where`` for an x the core made itself, which may be filled in place."""
-        return self.where(mask, x, fill)
-
-    def host_lengths(self, x: Tensor, lens: Tensor) -> Optional[list]:
-        """lens as (nested) Python numbers where reading them costs nothing and the core's
-        own copies of x (B, ...) may be written directly (``fill_padding``); None where they
-        are not on the host or must not be read (a device, autograd tracking x, a tracing
-        compiler).  The strategies clip them (``clip_lengths``)."""
-        return None
-
-    def copy(self, x: Tensor) -> Tensor:
-        """A new tensor equal to x, which the core may write into."""
-        return x * 1
-
-    def fill_padding(self, x: Tensor, lengths: list, fill: float, uniform: bool = False) -> Tensor:
-        """x (B, [H,] Q, K), the core's own, with ``x[b, ..., lengths[b]:] = fill`` written in place, one
-        slice per sequence (no pass over the visible scores); lengths from ``host_lengths``,
-        clipped.  uniform: x holds softmax weights with one value per row in the padding,
-        so a sequence whose padding already equals fill (0: exp underflowed) is skipped.
-        This default needs slice assignment (numpy, torch, paddle)."""
-        shape = self.shape(x)
-        n_keys = shape[-1]
-        # small x: writing every padding slice costs less than the test that skips some
-        if uniform and math.prod(shape) >= SKIP_TEST_MIN_ELEMENTS:
-            # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
-            done = (x[..., -1] <= fill).reshape(len(lengths), -1).all(1).tolist()
-            lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
-        for row, n in enumerate(lengths):
-            if n < n_keys:
-                x[row, ..., n:] = fill
-        return x
-
-    def zero_padded_rows(self, values: Tensor, lengths: list) -> Tensor:
-        """values (B, [H,] K, v) with the rows ``>= lengths[b]`` zeroed, in a copy (slice
-        assignment, as ``fill_padding``); values itself where no row is padding."""
-        n_keys = self.shape(values)[-2]
-        if all(n >= n_keys for n in lengths):
-            return values
-        values = self.copy(values)
-        for row, n in enumerate(lengths):
-            if n < n_keys:
-                values[row, ..., n:, :] = 0.0
-        return values
-
-    def all_finite(self, x: Tensor) -> bool:
-        """Whether x holds no NaN or inf (read on the host: only with ``host_lengths``)."""
-        return math.isfinite(float(x.sum()))
-
-
-# From this many weights the test for padding that is 0 already pays for itself.
-SKIP_TEST_MIN_ELEMENTS = 1 << 14
 
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
@@ -295,7 +161,7 @@ REQUIRED = (
 def adapter_problems(cls: type) -> List[str]:
     """What is wrong with an Ops subclass: a public member Ops does not declare (a misspelled
     override would never be called), a required primitive left undefined."""
-    declared = set(dir(Ops))
+    declared = set(dir(Ops)) - {"mro"}
     problems = [
         f"{klass.__name__}.{member} is not a member of protocol.Ops (misspelled?)"
         for klass in cls.__mro__
@@ -331,22 +197,6 @@ def per_row(lens: Tensor) -> Tensor:
     """Lengths (B,) as (B, 1, 1), (B, Q) as (B, Q, 1): against positions (K,) they give the
     (B, 1|Q, K) mask of ``length_mask``."""
     return lens[:, None, None] if len(lens.shape) == 1 else lens[:, :, None]
-
-
-def clip_lengths(raw: list, n_keys: int) -> List[Any]:
-    """How many of n_keys positions each length shows: position j is visible for
-    j < length, so 2.5 shows 3 (ceil), lengths <= 0 and NaN show none (j < NaN is false),
-    lengths past the end show all.  raw: one number per row, or a list per row."""
-    return [
-        clip_lengths(n, n_keys)
-        if isinstance(n, list)
-        else 0
-        if not n > 0
-        else n_keys
-        if n >= n_keys
-        else math.ceil(n)
-        for n in raw
-    ]
 
 
 def layer_exports(backend: str) -> Callable[[str], Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from .masks import NO_MASKS, Masks
 from .protocol import Ops, Shape, Tensor
 
 
@@ -284,3 +285,70 @@ def check_multi_head_weights(
 
 def is_empty(shape: Shape) -> bool:
     return 0 in shape
+
+
+# -- each public call's checks, and its masks gathered into one value ---------------------
+
+
+def gather_masks(ops: Ops, valid_lens: Tensor, attention_mask: Tensor, causal: Any, scores_shape: Shape) -> Masks:
+    """The checked masks as one ``Masks`` (attention_mask as booleans)."""
+    if attention_mask is None and causal is False:  # the common case, in two comparisons
+        return NO_MASKS if valid_lens is None else Masks(valid_lens)
+    check_causal(causal)
+    return Masks(valid_lens, check_attention_mask(ops, attention_mask, scores_shape), causal)
+
+
+def softmax_call(ops: Ops, X: Tensor, valid_lens: Tensor, attention_mask: Tensor, causal: Any) -> Masks:
+    """The arguments of masked_softmax checked; its masks."""
+    _, attention_mask = check_scores(ops, X, valid_lens, attention_mask, causal)
+    return Masks(valid_lens, attention_mask, causal)
+
+
+def dot_product_call(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor, attention_mask: Tensor, causal: Any
+) -> Masks:
+    """The arguments of dot-product attention checked; its masks."""
+    q_shape, k_shape, _ = check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    check_known_width(q_shape)
+    return gather_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
+
+
+def additive_call(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor,
+    attention_mask: Tensor,
+    causal: Any,
+    query_size: Any = None,
+    key_size: Any = None,
+) -> Masks:
+    """The arguments of additive attention checked (query_size/key_size: the widths its
+    projections take, None: not checked here); its masks."""
+    q_shape, k_shape, _ = check_attention_inputs(
+        ops, queries, keys, values, valid_lens, query_size=query_size, key_size=key_size
+    )
+    return gather_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
+
+
+def multi_head_call(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor,
+    attention_mask: Tensor,
+    causal: Any,
+    num_heads: Any,
+    num_hiddens: Any,
+    sizes: tuple = (None, None, None),
+) -> Masks:
+    """The arguments of multi-head attention checked (sizes: the widths of queries, keys and
+    values its projections take, None: not checked here); its masks."""
+    q_shape, k_shape, _ = check_attention_inputs(
+        ops, queries, keys, values, valid_lens, query_size=sizes[0], key_size=sizes[1], value_size=sizes[2]
+    )
+    check_num_heads(num_heads, num_hiddens)
+    scores_shape = (q_shape[0], num_heads, q_shape[1], k_shape[1])
+    return gather_masks(ops, valid_lens, attention_mask, causal, scores_shape)

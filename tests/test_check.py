@@ -11,6 +11,7 @@ import pytest
 
 import multiattn.check
 import multiattn.core
+import multiattn.specialise
 from multiattn import cli
 from multiattn import reference as lib_reference
 from multiattn.backends import numpy as numpy_backend
@@ -121,12 +122,14 @@ def test_the_check_reference_matches_the_test_reference(function, mask):
 
 def test_a_wrong_fast_path_fails_the_check(monkeypatch, capsys):
     # a fused kernel that is 1% off: the no-weights path is compared with the reference too
-    def fused(queries, keys, values, mask, scale):
-        out, _ = multiattn.core.dot_product_attention(numpy_backend.ops, queries, keys, values)
-        return out * 1.01
+    def fused(self, queries, keys, values, masks, scale, dropout, need_weights):
+        if need_weights or dropout is not None:
+            return "the weights are wanted"
+        with multiattn.specialise.primitives_only():
+            out, _ = multiattn.core.dot_product_attention(self, queries, keys, values, masks, scale=scale)
+        return lambda: (out * 1.01, None)
 
-    monkeypatch.setattr(numpy_backend.NumpyOps, "fused_attention", staticmethod(fused))
-    monkeypatch.setattr(numpy_backend.NumpyOps, "can_fuse", lambda self, q, k, v: True)
+    monkeypatch.setattr(numpy_backend.NumpyOps, "attend_fused", fused)
     assert cli.main(["check", "--backends", "numpy", "--in-process"]) == 1
     out = capsys.readouterr().out
     assert all(

@@ -77,7 +77,7 @@ def test_torch_compile(monkeypatch):
 
     from multiattn.backends import torch as m
 
-    monkeypatch.setattr(m.ops, "fused_min_scores", 0)  # SDPA under compile, even this small
+    monkeypatch.setattr(m, "FUSED_MIN_SCORES", 0)  # SDPA under compile, even this small
 
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
     layer = m.AdditiveAttention(4, 4, 5).double().eval()
@@ -99,8 +99,8 @@ def test_torch_sdpa_only_above_its_size_threshold(monkeypatch):
     kernel = F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
-    for threshold, runs in ((m.ops.fused_min_scores, False), (Q.shape[0] * Q.shape[1] * K.shape[1], True)):
-        monkeypatch.setattr(m.ops, "fused_min_scores", threshold)
+    for threshold, runs in ((m.FUSED_MIN_SCORES, False), (Q.shape[0] * Q.shape[1] * K.shape[1], True)):
+        monkeypatch.setattr(m, "FUSED_MIN_SCORES", threshold)
         calls.clear()
         np.testing.assert_allclose(m.dot_product_attention(*args).numpy(), WANT_DOT, rtol=1e-10)
         assert bool(calls) == runs
@@ -111,15 +111,14 @@ def test_the_second_fill_skips_padding_already_zero_beside_a_full_length_sequenc
     # the batch's longest sequence has no padding, so its last column holds weights; the
     # others' padding is exactly 0 already and must not be written again (read-only here);
     # from SKIP_TEST_MIN_ELEMENTS weights (smaller ones are written without the test)
-    from multiattn import protocol
-    from multiattn.backends import numpy as m
+    from multiattn import fast_paths
 
-    weights = np.full((3, protocol.SKIP_TEST_MIN_ELEMENTS // 8, 4), 0.25)
+    weights = np.full((3, fast_paths.SKIP_TEST_MIN_ELEMENTS // 8, 4), 0.25)
     weights[1, :, 2:] = weights[2, :, 1:] = 0.0
     weights.flags.writeable = False
-    assert m.ops.fill_padding(weights, [4, 2, 1], 0.0, uniform=True) is weights
+    assert fast_paths.fill_by_slices(weights, [4, 2, 1], 0.0, uniform=True) is weights
     with pytest.raises(ValueError, match="read-only"):  # a sequence left to fill is written
-        m.ops.fill_padding(weights, [4, 2, 0], 0.0, uniform=True)
+        fast_paths.fill_by_slices(weights, [4, 2, 0], 0.0, uniform=True)
 
 
 # --- tensorflow --------------------------------------------------------------------------
@@ -571,7 +570,7 @@ def test_mxnet_padding_fill_writes_only_into_the_cores_own_scores():
     want[0, :, 2:], want[1, :, 4:] = -7.0, -7.0
 
     own = mnp.array(x, dtype="float32")  # the core's own scores: written in place, no copy
-    got = m.ops.fill_padding(own, [2, 4], -7.0)
+    got = m.ops._fill_padding(own, [2, 4], -7.0)
     assert got is own
     np.testing.assert_allclose(own.asnumpy(), want, rtol=1e-6)
 

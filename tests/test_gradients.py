@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from . import reference as ref
+from .forcing import force_fused
 from .tolerances import tolerance
 
 MASKS = {"none": None, "1d": np.array([0, 7]), "2d": np.array([[2, 0, 9], [5, -1, 3]])}
@@ -108,9 +109,7 @@ def needs_autodiff(bk):
 @pytest.mark.parametrize("function", ["masked_softmax", "dot_product", "additive"])
 def test_gradients_match_finite_differences(bk, function, mask, dtype, monkeypatch):
     needs_autodiff(bk)
-    if hasattr(bk.module, "FUSED_ON_CPU"):  # the fused kernel's gradients, also on CPU
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
-    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    force_fused(bk, monkeypatch)  # kernels the CPU default skips, and at these sizes
     got = backend_grads(bk, function, mask, dtype)
     want = finite_differences(function, mask)
     assert_gradients_close(bk, got, want, dtype)
@@ -248,9 +247,7 @@ def masked_backend_grads(bk, function, case, dtype):
 @pytest.mark.parametrize("function", ["masked_softmax", "dot_product", "additive", "multi_head"])
 def test_gradients_with_masks_match_finite_differences(bk, function, case, dtype, monkeypatch):
     needs_autodiff(bk)
-    if hasattr(bk.module, "FUSED_ON_CPU"):  # the fused kernel's gradients, also on CPU
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
-    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    force_fused(bk, monkeypatch)  # kernels the CPU default skips, and at these sizes
     got = masked_backend_grads(bk, function, case, dtype)
     want = masked_finite_differences(function, case)
     assert_gradients_close(bk, got, want, dtype)

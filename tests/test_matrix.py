@@ -8,6 +8,7 @@ import pytest
 import multiattn
 
 from . import reference as ref
+from .forcing import force_fused
 from .tolerances import assert_close
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
@@ -109,9 +110,7 @@ def test_additive_attention(bk, dtype, mask, shape):
 def test_dot_product_fast_path_without_weights(bk, dtype, mask, shape, monkeypatch):
     """need_weights=False takes the framework's fused kernel where there is one: same results."""
     supported(bk, dtype)
-    if hasattr(bk.module, "FUSED_ON_CPU"):  # a kernel the CPU default skips: test it anyway
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
-    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)  # even at these sizes
+    force_fused(bk, monkeypatch)  # kernels the CPU default skips, and at these sizes
     q, k, v, lens, _ = inputs(bk, dtype, shape, mask, seed=4)
     want = ref.dot_product_attention(bk.numpy(q), bk.numpy(k), bk.numpy(v), lens)[0]
     assert_close(bk, bk.module.dot_product_attention(q, k, v, as_lens(bk, lens)), want, dtype)
@@ -276,9 +275,7 @@ def test_multi_head_attention(bk, dtype, mask, shape):
 def test_multi_head_fused_kernel(bk, dtype, mask, monkeypatch):
     """need_weights=False with the fused kernel forced even at this size (where there is one)."""
     supported(bk, dtype)
-    if hasattr(bk.module, "FUSED_ON_CPU"):
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
-    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+    force_fused(bk, monkeypatch)  # kernels the CPU default skips, and at these sizes
     shape = MULTI_HEAD_SHAPES[1]
     rng = np.random.default_rng(11)
     q, k, v, weights, _ = multi_head_case(bk, dtype, shape, rng)

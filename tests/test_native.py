@@ -19,14 +19,24 @@ import numpy as np
 import pytest
 
 from multiattn.check import native
+from multiattn.check import native_wrappers as wrappers
+from multiattn.check import results as results_io
 from multiattn.check.against import cases_for, run_function
+from multiattn.check.native_report import (
+    DATE_LINE,
+    PAGE_COMMAND,
+    compare_pages,
+    markdown,
+    render,
+    versions_of,
+)
 
 from .conftest import backends_under_test
 from .test_cli_errors import one_line, run_cli
 
 PAGE = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "native-attention.md")
-FRAMEWORKS = [pytest.param(fw, marks=pytest.mark.backend(fw)) for fw in native.FRAMEWORKS]
-RAN = [impl for impl in native.IMPLEMENTATIONS if impl.version != "d2l"]  # d2l: where importable
+FRAMEWORKS = [pytest.param(fw, marks=pytest.mark.backend(fw)) for fw in wrappers.FRAMEWORKS]
+RAN = [impl for impl in wrappers.IMPLEMENTATIONS if impl.version != "d2l"]  # d2l: where importable
 IMPLEMENTATIONS = [
     pytest.param(impl, marks=pytest.mark.backend(impl.framework), id=impl.label) for impl in RAN
 ]
@@ -37,8 +47,8 @@ def results_of(framework: str) -> dict:
     """The whole battery over a framework's own attention, in this process (once per run), saved
     and loaded as the worker's are (its order of the gradients: the command's rows exactly)."""
     with tempfile.TemporaryDirectory() as tmp:
-        native.save(native.run_framework(framework), tmp)
-        return native.load(tmp)
+        results_io.save_native(native.run_framework(framework), tmp)
+        return results_io.load_native(tmp)
 
 
 def summary_of(framework: str) -> dict:
@@ -53,26 +63,26 @@ def case(kind: str, mask: str, dtype: str = "float32"):
 
 
 def test_lengths_masks_and_causality_become_one_boolean_mask():
-    lens_1d = native.visible(np.array([0, 7]), None, False, 2, 3, 5)
+    lens_1d = wrappers.visible(np.array([0, 7]), None, False, 2, 3, 5)
     assert not lens_1d[0].any() and lens_1d[1].all()  # zero: nothing; over-long: everything
-    lens_2d = native.visible(np.array([[2, 0, 7], [5, -1, 3]]), None, False, 2, 3, 5)
+    lens_2d = wrappers.visible(np.array([[2, 0, 7], [5, -1, 3]]), None, False, 2, 3, 5)
     np.testing.assert_array_equal(lens_2d[0, 0], [1, 1, 0, 0, 0])
     assert not lens_2d[0, 1].any() and not lens_2d[1, 1].any()  # zero and negative lengths
-    causal = native.visible(None, None, True, 1, 3, 5)[0]
+    causal = wrappers.visible(None, None, True, 1, 3, 5)[0]
     np.testing.assert_array_equal(causal, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])  # top-left
     mask = np.random.default_rng(0).random((2, 3, 5)) > 0.5
-    both = native.visible(np.array([2, 4]), mask, True, 2, 3, 5)
+    both = wrappers.visible(np.array([2, 4]), mask, True, 2, 3, 5)
     np.testing.assert_array_equal(both, mask & (np.arange(5) < np.array([2, 4])[:, None, None]) & causal)
-    assert native.visible(None, None, False, 2, 3, 5) is None  # no mask: the native no-mask path
+    assert wrappers.visible(None, None, False, 2, 3, 5) is None  # no mask: the native no-mask path
 
 
 def test_torch_masks_are_inverted_and_1d_lengths_are_the_key_padding_mask():
-    padding, attn = native.torch_mha_masks(np.array([0, 3]), None, False, 2, 3, 5, num_heads=2)
+    padding, attn = wrappers.torch_mha_masks(np.array([0, 3]), None, False, 2, 3, 5, num_heads=2)
     np.testing.assert_array_equal(padding, [[1, 1, 1, 1, 1], [0, 0, 0, 1, 1]])  # True: may NOT attend
     assert attn is None
     mask = np.random.default_rng(1).random((2, 3, 5)) > 0.5
-    padding, attn = native.torch_mha_masks(np.array([[1, 2, 3], [4, 5, 0]]), mask, True, 2, 3, 5, 2)
-    allowed = native.visible(np.array([[1, 2, 3], [4, 5, 0]]), mask, True, 2, 3, 5)
+    padding, attn = wrappers.torch_mha_masks(np.array([[1, 2, 3], [4, 5, 0]]), mask, True, 2, 3, 5, 2)
+    allowed = wrappers.visible(np.array([[1, 2, 3], [4, 5, 0]]), mask, True, 2, 3, 5)
     assert padding is None and attn.shape == (4, 3, 5)
     for b in range(2):
         for h in range(2):
@@ -80,27 +90,27 @@ def test_torch_masks_are_inverted_and_1d_lengths_are_the_key_padding_mask():
 
 
 def test_jax_takes_1d_lengths_as_key_value_seq_lengths_and_the_rest_as_a_mask():
-    mask, lengths = native.jax_masks(np.array([0, 7]), None, 2, 3, 5, use_lengths=True)
+    mask, lengths = wrappers.jax_masks(np.array([0, 7]), None, 2, 3, 5, use_lengths=True)
     assert mask is None and lengths.dtype == np.int32 and lengths.tolist() == [0, 7]
-    mask, lengths = native.jax_masks(np.array([[2, 0, 7], [5, -1, 3]]), None, 2, 3, 5, use_lengths=True)
+    mask, lengths = wrappers.jax_masks(np.array([[2, 0, 7], [5, -1, 3]]), None, 2, 3, 5, use_lengths=True)
     assert lengths is None and mask.shape == (2, 1, 3, 5)  # 2-D lengths: only a mask can say them
-    mask, lengths = native.jax_masks(np.array([0, 7]), None, 2, 3, 5, use_lengths=False)
+    mask, lengths = wrappers.jax_masks(np.array([0, 7]), None, 2, 3, 5, use_lengths=False)
     assert lengths is None and not mask[0].any() and mask[1].all()
 
 
 def test_a_size_the_native_layer_cannot_take_is_unsupported_with_the_reason():
-    from multiattn.layers.native import Config
+    from multiattn.layers.converters import Config
 
     cfg = Config(num_hiddens=4, num_heads=2, query_size=5, key_size=3, value_size=3, bias=True, dropout=0.0)
-    with pytest.raises(native.Unsupported, match="query_size == num_hiddens"):
-        native.native_layout("torch", cfg)  # torch's embed_dim is its query width
-    names, layout = native.native_layout("paddle", cfg._replace(query_size=4))
+    with pytest.raises(wrappers.Unsupported, match="query_size == num_hiddens"):
+        wrappers.native_layout("torch", cfg)  # torch's embed_dim is its query width
+    names, layout = wrappers.native_layout("paddle", cfg._replace(query_size=4))
     assert names[:4] == ["W_q", "W_k", "W_v", "W_o"] and layout["q_proj.weight"].shape == (4, 4)
 
     def refuses(queries, keys, values, valid_lens, **masks):
-        raise native.Unsupported("the layer needs 8 columns")
+        raise wrappers.Unsupported("the layer needs 8 columns")
 
-    impl = native.Implementation("refuses", "numpy", "dot_product", lambda: refuses, "a test")
+    impl = wrappers.Implementation("refuses", "numpy", "dot_product", lambda: refuses, "a test")
     result = native.run_implementation(impl)
     assert {r["status"] for r in result["cases"].values()} == {
         "unsupported: the layer needs 8 columns", "unsupported: numpy has no bfloat16 dtype"
@@ -128,12 +138,12 @@ def test_every_wrapper_agrees_without_masks_and_with_causality(impl):
 
 
 def test_the_native_layout_is_a_gather_of_the_canonical_weights():
-    from multiattn.layers import native as converters
+    from multiattn.layers import converters
 
     weights = {n: v for n, v in case("multi_head", "none", "float64").inputs.items() if len(n) == 3}
     cfg = converters.Config(4, 2, 4, 3, 3, True, 0.0)
     for framework, to in (("torch", converters.torch_to), ("paddle", converters.paddle_to)):
-        names, layout = native.native_layout(framework, cfg)
+        names, layout = wrappers.native_layout(framework, cfg)
         flat = np.concatenate([weights[n].reshape(-1) for n in names])
         arrays = to(cfg, weights)[1]
         assert set(layout) == set(arrays)
@@ -147,7 +157,7 @@ def test_the_native_parameters_are_to_natives(framework):
     MultiHeadAttention.to_native() puts into the native layer."""
     import importlib
 
-    from multiattn.layers import native as converters
+    from multiattn.layers import converters
 
     weights = {n: v for n, v in case("multi_head", "none", "float64").inputs.items() if len(n) == 3}
     cfg = converters.Config(4, 2, 4, 3, 3, True, 0.0)
@@ -155,7 +165,7 @@ def test_the_native_parameters_are_to_natives(framework):
     layer = module.MultiHeadAttention(**cfg.kwargs())
     layer.set_weights(weights)
     target = layer.to_native()
-    names, layout = native.native_layout(framework, cfg)
+    names, layout = wrappers.native_layout(framework, cfg)
     flat = np.concatenate([weights[n].reshape(-1) for n in names])
     for path, index in layout.items():
         value = converters.attribute(target, path)
@@ -235,7 +245,7 @@ def test_d2l_where_importable(monkeypatch):
     module): lengths only, -1e6 for the masked scores."""
     from .test_multi_head import d2l_torch_multi_head_attention
 
-    assert set(native.absent("torch")) <= {"d2l.torch.DotProductAttention", "d2l.torch.MultiHeadAttention"}
+    assert set(wrappers.absent("torch")) <= {"d2l.torch.DotProductAttention", "d2l.torch.MultiHeadAttention"}
     layer = d2l_torch_multi_head_attention(4, 2, 0.0, bias=True)
     module = types.ModuleType("d2l.torch")
     module.DotProductAttention, module.MultiHeadAttention = type(layer.attention), type(layer)
@@ -243,9 +253,9 @@ def test_d2l_where_importable(monkeypatch):
     package.__version__, package.torch = "11.5 (tests)", module
     monkeypatch.setitem(sys.modules, "d2l", package)
     monkeypatch.setitem(sys.modules, "d2l.torch", module)
-    assert native.absent("torch") == {}
+    assert wrappers.absent("torch") == {}
     results = {
-        i.label: native.run_implementation(i) for i in native.implementations("torch") if i.version == "d2l"
+        i.label: native.run_implementation(i) for i in wrappers.implementations("torch") if i.version == "d2l"
     }
     s = dict(native.summarize(results))
     dot, multi = s["d2l.torch.DotProductAttention"], s["d2l.torch.MultiHeadAttention"]
@@ -278,13 +288,13 @@ def test_the_command_prints_both_tables_and_exits_0(tmp_path):
     assert set(doc["backends"]) == {i.label for i in RAN if i.framework == "torch"}
     assert any(r["verdict"] == "FAIL" for r in doc["rows"])
     text = page.read_text()
-    assert text.startswith("# Where frameworks' own attention disagrees") and native.DATE_LINE in text
+    assert text.startswith("# Where frameworks' own attention disagrees") and DATE_LINE in text
     assert "| `torch.nn.MultiheadAttention (need_weights=True)` | 1d, 2d, mask, all |" in text
     # report reads the file back as the same native tables, never comparing the natives
     reported = run_cli("report", str(out))
     assert reported.returncode == 0, reported.stdout + reported.stderr
     assert reported.stdout.strip() in result.stdout  # check also names what it could not import
-    assert doc["not_importable"] == native.absent("torch")  # d2l, where it is not installed
+    assert doc["not_importable"] == wrappers.absent("torch")  # d2l, where it is not installed
     for label in doc["not_importable"]:  # and report names them too, from the file
         assert f"({label}: not run, not importable here: " in reported.stdout
     doc["native"] = False  # as a `check --json` file: the kinds do not mix
@@ -311,14 +321,14 @@ def test_report_names_an_implementation_no_file_could_import(tmp_path):
     with_d2l = write("b", {"d2l.torch.X": {**ran, "version": "d2l"}}, {})
     results, _, of_natives = load_json([without, with_d2l])
     assert of_natives
-    assert native.split_absent(results) == (
+    assert results_io.split_absent(results) == (
         {
             "torch.sdpa": {**ran, "backend": "torch.sdpa"},
             "d2l.torch.X": {**ran, "version": "d2l", "backend": "d2l.torch.X"},
         },
         {"d2l.torch.Y": "no"},
     )
-    assert native.split_absent(load_json([without])[0])[1] == {
+    assert results_io.split_absent(load_json([without])[0])[1] == {
         "d2l.torch.X": "ModuleNotFoundError: d2l",
         "d2l.torch.Y": "no",
     }
@@ -341,26 +351,45 @@ def test_a_dead_worker_is_its_frameworks_failed_row(monkeypatch):
     monkeypatch.setattr(multiattn.check, "WORKER_COMMAND", [sys.executable, "-c", "import sys; sys.exit(3)"])
     results = multiattn.check.run_native(["numpy", "torch"])  # numpy has no attention of its own
     assert list(results) == ["torch"] and results["torch"]["status"] == "failed: worker exit 3: no output"
-    assert "failed: worker exit 3" in native.render(results)
+    assert "failed: worker exit 3" in render(results)
     assert dict(native.summarize(results))["torch"]["1d"] == "failed: worker exit 3: no output"
 
 
 def test_the_page_comparison_ignores_the_date_and_the_last_bits():
-    page = native.markdown({}, {"torch": "1"}, today="2000-01-01")
-    assert native.compare_pages(page, native.markdown({}, {"torch": "2"}, today="2001-02-03")) == []
+    page = markdown({}, {"torch": "1"}, today="2000-01-01")
+    assert compare_pages(page, markdown({}, {"torch": "2"}, today="2001-02-03")) == []
     old = "| `a` | 1d | output 0.68 from the reference > 1e-05 |"
-    assert native.compare_pages(old, old.replace("0.68", "0.71")) == []  # the same size
+    assert compare_pages(old, old.replace("0.68", "0.71")) == []  # the same size
     keras = "| `k` | none: gradient of W_o 3.3e-08 from the reference > 2.4e-09 |"  # float32 accuracy
-    assert native.compare_pages(keras, keras.replace("3.3e-08", "3.1e-08")) == []  # either side of 10**-7.5
-    assert native.compare_pages(keras, keras.replace("3.3e-08", "4.0e-09")) == []
+    assert compare_pages(keras, keras.replace("3.3e-08", "3.1e-08")) == []  # either side of 10**-7.5
+    assert compare_pages(keras, keras.replace("3.3e-08", "4.0e-09")) == []
     grown = keras.replace("3.3e-08", "4.0e-07")
-    assert native.compare_pages(keras, grown) == [f"- {keras}", f"+ {grown}"]
+    assert compare_pages(keras, grown) == [f"- {keras}", f"+ {grown}"]
     exact = "| `m` | dot_product float64 | 0.0e+00 | 2.2e-16 |"  # float64 round-off is CPU-specific
-    assert native.compare_pages(exact, "| `m` | dot_product float64 | 1.1e-16 | 0.0e+00 |") == []
+    assert compare_pages(exact, "| `m` | dot_product float64 | 1.1e-16 | 0.0e+00 |") == []
     wrong = "| `m` | dot_product float64 | 0.0e+00 | 2.2e-06 |"
-    assert native.compare_pages(exact, wrong) == [f"- {exact}", f"+ {wrong}"]
-    assert native.compare_pages(old, old.replace("1d", "2d")) == [f"- {old}", f"+ {old.replace('1d', '2d')}"]
-    assert native.compare_pages(old, "| `b` | x |", labels=["a"]) == [f"- {old}"]
+    assert compare_pages(exact, wrong) == [f"- {exact}", f"+ {wrong}"]
+    assert compare_pages(old, old.replace("1d", "2d")) == [f"- {old}", f"+ {old.replace('1d', '2d')}"]
+    assert compare_pages(old, "| `b` | x |", labels=["a"]) == [f"- {old}"]
+
+
+def test_the_page_comparison_command_of_tox(tmp_path):
+    """tox's `native` env runs `python -m multiattn.check.native_report --compare COMMITTED FRESH`:
+    exit 0 where the tables agree, 1 with the lines where they do not, 2 for a wrong call."""
+    import subprocess
+
+    committed, fresh = tmp_path / "committed.md", tmp_path / "fresh.md"
+    committed.write_text(markdown({}, {"torch": "1"}, today="2000-01-01") + "| `a` | 1d | agree |\n")
+    fresh.write_text(markdown({}, {"torch": "2"}, today="2001-02-03") + "| `a` | 1d | agree |\n")
+    command = [sys.executable, "-m", "multiattn.check.native_report", "--compare"]
+    same = subprocess.run([*command, str(committed), str(fresh)], capture_output=True, text=True)
+    assert same.returncode == 0 and "its tables are current" in same.stdout, same.stderr
+    fresh.write_text(fresh.read_text().replace("| agree |", "| fully masked rows: NaN output |"))
+    stale = subprocess.run([*command, str(committed), str(fresh)], capture_output=True, text=True)
+    assert stale.returncode == 1 and "is stale" in stale.stderr
+    assert "- | `a` | 1d | agree |" in stale.stderr and PAGE_COMMAND in stale.stderr
+    wrong = subprocess.run(command[:-1], capture_output=True, text=True)
+    assert wrong.returncode == 2 and "usage: python -m multiattn.check.native_report" in wrong.stderr
 
 
 def test_the_committed_page_is_current():
@@ -369,12 +398,12 @@ def test_the_committed_page_is_current():
     with open(PAGE) as f:
         committed = f.read()
     assert committed.startswith("# Where frameworks' own attention disagrees")
-    assert sum(line.startswith(native.DATE_LINE) for line in committed.splitlines()) == 1
+    assert sum(line.startswith(DATE_LINE) for line in committed.splitlines()) == 1
     for impl in RAN:
-        assert f"| `{impl.label}` | {impl.kind} float32 |" in committed, f"regenerate: {native.PAGE_COMMAND}"
+        assert f"| `{impl.label}` | {impl.kind} float32 |" in committed, f"regenerate: {PAGE_COMMAND}"
     fresh = {}
-    for fw in (fw for fw in backends_under_test() if fw in native.FRAMEWORKS):
-        fresh.update(native.split_absent(results_of(fw))[0])
-    page = native.markdown(fresh, native.versions_of(fresh))
-    diff = native.compare_pages(committed, page, labels=list(fresh))
-    assert not diff, f"{PAGE} is stale; regenerate it with `{native.PAGE_COMMAND}`:\n" + "\n".join(diff)
+    for fw in (fw for fw in backends_under_test() if fw in wrappers.FRAMEWORKS):
+        fresh.update(results_io.split_absent(results_of(fw))[0])
+    page = markdown(fresh, versions_of(fresh))
+    diff = compare_pages(committed, page, labels=list(fresh))
+    assert not diff, f"{PAGE} is stale; regenerate it with `{PAGE_COMMAND}`:\n" + "\n".join(diff)

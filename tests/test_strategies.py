@@ -1,15 +1,18 @@
-"""Every strategy against the math module (multiattn.core) and the independent float64
-reference: forced on each backend that can take it, at the matrix's small sizes."""
+"""Every specialisation against the core's formula (``specialise.primitives_only``) and the
+independent float64 reference: forced on each backend that offers it, at the matrix's small
+sizes; and the backends that must offer one do."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from multiattn import core, strategies
-from multiattn.protocol import Ops, clip_lengths
+from multiattn import core, fast_paths, specialise
+from multiattn.masks import Masks
+from multiattn.protocol import Ops
 
 from . import reference as ref
+from .forcing import force_fused
 from .test_matrix import lengths
 from .tolerances import assert_close
 
@@ -31,37 +34,61 @@ def _case(bk, dtype, mask, seed=0):
     return tensors, rounded, lens, None if lens is None else bk.tensor(lens)
 
 
-def _never(name):
-    def called(*args, **kwargs):
-        raise AssertionError(f"{name} was called where the adapter said it does not apply")
+# Who must offer what (docs/architecture.md's table says the same; test_architecture_table
+# keeps the two in step): a backend listed here that declines at these sizes fails.
+OFFERED_BY = {
+    "masked_softmax_writing_padding": ("numpy", "torch", "paddle", "mxnet"),
+    "masked_softmax_in_scores_memory": ("numpy", "torch", "paddle", "mxnet"),
+    "additive_scores_over_visible_keys": ("numpy", "paddle"),
+    "attend_fused": ("torch", "jax", "mlx"),
+    "attend_over_visible_keys": ("torch",),
+}
 
-    return called
+
+def formula(fn, *args, **kwargs):
+    """fn's answer with every specialisation off: the core's formula over the primitives."""
+    with specialise.primitives_only():
+        return fn(*args, **kwargs)
+
+
+def copy(bk, x):
+    """A new tensor of x's backend equal to x (which the core may own)."""
+    return bk.tensor(bk.numpy(x), None)
 
 
 def _both(bk, got, math_result, want, dtype):
-    """The strategy agrees with the math module's function and with the reference."""
+    """The specialisation agrees with the core's formula and with the reference."""
     assert_close(bk, got, want, dtype)
     assert_close(bk, math_result, want, dtype)
 
 
+def _offered(bk, name, offer):
+    """Whether the offer is a function; a backend of OFFERED_BY[name] must make it."""
+    if isinstance(offer, str):
+        assert bk.name not in OFFERED_BY[name], f"{bk.name} declined {name}: {offer}"
+        return False
+    return True
+
+
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_entry_points_equal_the_math_module(bk, dtype, mask):
+def test_entry_points_equal_the_formula(bk, dtype, mask):
     t, a, lens, lens_t = _case(bk, dtype, mask)
-    ops = bk.module.ops
+    ops, masks = bk.module.ops, Masks(lens_t)
     _both(
-        bk, strategies.masked_softmax(ops, t["X"], lens_t), core.masked_softmax(ops, t["X"], lens_t),
+        bk, core.masked_softmax(ops, t["X"], masks), formula(core.masked_softmax, ops, t["X"], masks),
         ref.masked_softmax(a["X"], lens), dtype,
     )  # fmt: skip
+    want = ref.dot_product_attention(a["q"], a["k"], a["v"], lens)[0]
     for need_weights in (True, False):
-        got, _ = strategies.dot_product_attention(
-            ops, t["q"], t["k"], t["v"], lens_t, need_weights=need_weights
-        )
-        math_out, _ = core.dot_product_attention(ops, t["q"], t["k"], t["v"], lens_t)
-        _both(bk, got, math_out, ref.dot_product_attention(a["q"], a["k"], a["v"], lens)[0], dtype)
-    weights = {name: t[name] for name in ("W_q", "W_k", "w_v")}
-    got, got_w = strategies.additive_attention_from_weights(ops, t["q"], t["k"], t["v"], lens_t, **weights)
-    math_out, math_w = core.additive_attention(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+        got, _ = core.dot_product_attention(ops, t["q"], t["k"], t["v"], masks, need_weights=need_weights)
+        math_out, _ = formula(core.dot_product_attention, ops, t["q"], t["k"], t["v"], masks)
+        _both(bk, got, math_out, want, dtype)
+    weights = dict(
+        project_q=lambda q: ops.matmul_t(q, t["W_q"]), project_k=lambda k: ops.matmul_t(k, t["W_k"]), w_v=t["w_v"]
+    )
+    got, got_w = core.additive_attention(ops, t["q"], t["k"], t["v"], masks, **weights)
+    math_out, math_w = formula(core.additive_attention, ops, t["q"], t["k"], t["v"], masks, **weights)
     want, want_w = ref.additive_attention(a["q"], a["k"], a["v"], lens, a["W_q"], a["W_k"], a["w_v"])
     _both(bk, got, math_out, want, dtype)
     _both(bk, got_w, math_w, want_w, dtype)
@@ -70,38 +97,46 @@ def test_entry_points_equal_the_math_module(bk, dtype, mask):
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_masked_where_in_the_scores_memory(bk, dtype, mask, exact):
+def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, exact):
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
-    ops = bk.module.ops
-    mask_t = core.visibility(ops, t["X"], lens_t)
-    got = strategies.masked_softmax_in_place(ops, ops.copy(t["X"]), mask_t, exact)
+    ops, masks = bk.module.ops, Masks(lens_t)
+    assert isinstance(ops.masked_softmax_in_scores_memory(t["X"], None, masks, False, exact), str)  # not the caller's
+    offer = ops.masked_softmax_in_scores_memory(copy(bk, t["X"]), None, masks, True, exact)
+    if not _offered(bk, "masked_softmax_in_scores_memory", offer):
+        return
+    got, _ = offer()
     want = ref.masked_softmax(a["X"], lens)
-    if not exact:  # rows where nothing is visible stay uniform over the padding (attend's contract)
+    if not exact and mask == "1d":  # rows where nothing is visible may stay uniform (masked_weights)
         visible = np.array([[ref.valid_count(n, K) for n in row] for row in np.broadcast_to(
             lens.reshape(B, -1), (B, Q))])  # fmt: skip
         want = np.where(visible[:, :, None] == 0, 1.0 / K, want)
-    _both(bk, got, core.masked_softmax(ops, t["X"], lens_t) if exact else got, want, dtype)
+    _both(bk, got, formula(core.masked_softmax, ops, t["X"], masks) if exact else got, want, dtype)
 
 
+@pytest.mark.parametrize("poisoned", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_padding_written_directly(bk, dtype, monkeypatch):
+def test_padding_written_directly(bk, dtype, poisoned, monkeypatch):
     ops = bk.module.ops
     if hasattr(bk.module, "SLICE_MIN_SEQUENCE_ELEMENTS"):  # torch: slices at every size
         monkeypatch.setattr(bk.module, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=2)
-    raw = ops.host_lengths(t["X"], lens_t)
-    if raw is None:  # the masked where runs instead, and the padding is never written directly
-        monkeypatch.setattr(ops, "fill_padding", _never("fill_padding"))
-        got = strategies.masked_softmax(ops, t["X"], lens_t)
-        _both(bk, got, core.masked_softmax(ops, t["X"], lens_t), ref.masked_softmax(a["X"], lens), dtype)
+    values = a["v"].copy()
+    host = [ref.valid_count(n, K) for n in lens]
+    if poisoned:  # NaN past each length must not reach the output as 0 * NaN
+        for b, n in enumerate(host):
+            values[b, n:] = np.nan
+    v = bk.tensor(values, dtype)
+    masks = Masks(lens_t)
+    offer = ops.masked_softmax_writing_padding(t["X"], v, masks, False, True)  # the caller's X: a copy
+    if not _offered(bk, "masked_softmax_writing_padding", offer):
         return
-    host = clip_lengths(raw, K)
-    assert host == [ref.valid_count(n, K) for n in lens]
-    got = strategies.softmax_writing_padding(ops, ops.copy(t["X"]), host)
-    _both(bk, got, core.masked_softmax(ops, t["X"], lens_t), ref.masked_softmax(a["X"], lens), dtype)
-    values = bk.numpy(ops.zero_padded_rows(t["v"], host))
+    weights, visible_values = offer()
+    _both(bk, weights, formula(core.masked_softmax, ops, t["X"], masks), ref.masked_softmax(a["X"], lens), dtype)
+    assert_close(bk, t["X"], a["X"], dtype)  # not written
+    got = bk.numpy(visible_values).astype(np.float64)
     for b, n in enumerate(host):
-        assert (values[b, n:] == 0).all() and (values[b, :n] == a["v"][b, :n]).all()
+        assert (got[b, :n] == bk.numpy(v)[b, :n]).all()
+        assert poisoned <= (got[b, n:] == 0).all()
 
 
 def force_activation(bk, monkeypatch, activation):
@@ -125,34 +160,37 @@ def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, activatio
     forced = force_activation(bk, monkeypatch, activation)
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=3)
     q_hidden, k_hidden = ops.matmul_t(t["q"], t["W_q"]), ops.matmul_t(t["k"], t["W_k"])
-    got = strategies.additive_scores_in_blocks(ops, q_hidden, k_hidden, t["w_v"], step)
+    got = fast_paths.additive_scores_in_blocks(ops, q_hidden, k_hidden, t["w_v"], step)
     want = ref.additive_scores(a["q"], a["k"], a["W_q"], a["W_k"], a["w_v"])
-    math_scores = core.additive_scores(ops, q_hidden, k_hidden, t["w_v"])
+    math_scores = formula(core.additive_scores, ops, q_hidden, k_hidden, t["w_v"])
     if forced and activation == "sigmoid":  # every score shifted by sum(w_v), the weights the same
         assert_close(bk, got, want + a["w_v"].sum(), dtype)
-        assert_close(bk, strategies.masked_softmax(ops, got, lens_t), ref.masked_softmax(want, lens), dtype)
+        assert_close(bk, core.masked_softmax(ops, got, Masks(lens_t)), ref.masked_softmax(want, lens), dtype)
         assert_close(bk, math_scores, want, dtype)
     else:
         _both(bk, got, math_scores, want, dtype)
+    monkeypatch.setattr(ops, "feature_block_elements", B * K * H * step)
+    offer = ops.additive_scores_in_blocks(q_hidden, k_hidden, t["w_v"], Masks())
+    assert isinstance(offer, str) == (step == Q)  # offered by every backend where Q queries do not fit
 
 
-# the adapters whose additive_key_lengths reads the lengths (measured faster there)
-READ_ADDITIVE_KEY_LENGTHS = ("numpy", "paddle")
+# the adapters that offer the additive features over the visible keys (measured faster there)
+READ_ADDITIVE_KEY_LENGTHS = OFFERED_BY["additive_scores_over_visible_keys"]
 
 
 def force_additive_visible_keys(monkeypatch):
     """Every size and share of hidden keys takes the additive features over the visible keys
     where the adapter reads the lengths; the list records each run's lengths."""
     runs: list = []
-    real = strategies.additive_scores_over_visible_keys
+    real = fast_paths.additive_scores_over_visible_keys
 
     def spy(ops, q_hidden, k_hidden, w_v, lengths):
         runs.append(list(lengths))
         return real(ops, q_hidden, k_hidden, w_v, lengths)
 
-    monkeypatch.setattr(strategies, "ADDITIVE_VISIBLE_KEYS_MIN_FEATURES", 0)
-    monkeypatch.setattr(strategies, "VISIBLE_KEYS_MAX_SHARE", 1.0)
-    monkeypatch.setattr(strategies, "additive_scores_over_visible_keys", spy)
+    monkeypatch.setattr(fast_paths, "ADDITIVE_VISIBLE_KEYS_MIN_FEATURES", 0)
+    monkeypatch.setattr(fast_paths, "ADDITIVE_VISIBLE_KEYS_MAX_SHARE", 1.0)
+    monkeypatch.setattr(fast_paths, "additive_scores_over_visible_keys", spy)
     return runs
 
 
@@ -167,33 +205,33 @@ def test_additive_features_over_the_visible_keys(bk, dtype, activation, monkeypa
     force_activation(bk, monkeypatch, activation)
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=5)
     weights = {name: t[name] for name in ("W_q", "W_k", "w_v")}
-    got, got_w = strategies.additive_attention_from_weights(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    got, got_w = bk.module.additive_attention(t["q"], t["k"], t["v"], lens_t, **weights, return_weights=True)
+    assert runs == ([[ref.valid_count(n, K) for n in lens]] if bk.name in READ_ADDITIVE_KEY_LENGTHS else [])
     want, want_w = ref.additive_attention(a["q"], a["k"], a["v"], lens, a["W_q"], a["W_k"], a["w_v"])
-    math_out, math_w = core.additive_attention(ops, t["q"], t["k"], t["v"], lens_t, **weights)
+    math_out, math_w = formula(bk.module.additive_attention, t["q"], t["k"], t["v"], lens_t, **weights, return_weights=True)
     _both(bk, got, math_out, want, dtype)
     _both(bk, got_w, math_w, want_w, dtype)
-    if bk.name in READ_ADDITIVE_KEY_LENGTHS:
-        assert runs == [[ref.valid_count(n, K) for n in lens]], "not run, or the lengths misread"
-    else:
-        assert runs == []
 
 
 @pytest.mark.parametrize("mask", MASKS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_kernel(bk, dtype, mask, monkeypatch):
-    if hasattr(bk.module, "FUSED_ON_CPU"):
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
+    force_fused(bk, monkeypatch)
     ops = bk.module.ops
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=4)
     q, k, v = t["q"], t["k"], bk.tensor(np.random.default_rng(5).normal(size=(B, K, D)), dtype)
-    monkeypatch.setattr(ops, "fused_min_scores", 0)
-    if ops.can_fuse(q, k, v):
-        got = strategies.fused_attention(ops, q, k, v, strategies.Masks(lens_t), 1 / np.sqrt(D))
-    else:  # no kernel for these inputs: the no-weights call runs the unfused math, never a kernel
-        monkeypatch.setattr(ops, "fused_attention", _never("fused_attention"))
-        got, _ = strategies.dot_product_attention(ops, q, k, v, lens_t, need_weights=False)
+    masks, scale = Masks(lens_t), 1 / np.sqrt(D)
+    assert isinstance(ops.attend_fused(q, k, v, masks, scale, None, True), str)  # no weights from a kernel
+    offer = ops.attend_fused(q, k, v, masks, scale, None, False)
     want = ref.dot_product_attention(a["q"], a["k"], bk.numpy(v).astype(np.float64), lens)[0]
-    _both(bk, got, core.dot_product_attention(ops, q, k, v, lens_t)[0], want, dtype)
+    math_out = formula(core.dot_product_attention, ops, q, k, v, masks)[0]
+    if isinstance(offer, str):  # jax declines float64 (its kernel's softmax is float32)
+        assert bk.name not in OFFERED_BY["attend_fused"] or dtype == "float64", offer
+        got, _ = core.dot_product_attention(ops, q, k, v, masks, need_weights=False)
+    else:
+        got, weights = offer()
+        assert weights is None
+    _both(bk, got, math_out, want, dtype)
 
 
 # Masks beside the lengths: a boolean mask with a fully masked row, causality, and both with
@@ -209,9 +247,7 @@ def _masks(bk, kind, rng, heads=False):
         mask = rng.random((B, 2, Q, K) if heads else (B, Q, K)) < 0.6
         mask[0, ..., 1, :] = False  # a fully masked row
     causal = kind in ("causal", "all")
-    tensors = strategies.Masks(
-        None if lens is None else bk.tensor(lens), None if mask is None else bk.tensor(mask), causal
-    )
+    tensors = Masks(None if lens is None else bk.tensor(lens), None if mask is None else bk.tensor(mask), causal)
     return tensors, dict(valid_lens=lens, attention_mask=mask, causal=causal)
 
 
@@ -230,12 +266,11 @@ def _heads_reference(q, k, v, masks):
 @pytest.mark.parametrize("heads", [False, True], ids=["3d", "heads"])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_strategy_takes_the_masks(bk, dtype, kind, heads, monkeypatch):
-    """The masked where, the fused kernel (forced where the adapter has one) and the entry
-    point, with boolean masks and causality, against the math module and the reference."""
-    if hasattr(bk.module, "FUSED_ON_CPU"):
-        monkeypatch.setattr(bk.module, "FUSED_ON_CPU", True)
-    monkeypatch.setattr(bk.module.ops, "fused_min_scores", 0)
+def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatch):
+    """The masked softmax in the scores' memory, the fused kernel (forced where the adapter
+    has one) and the entry points, with boolean masks and causality, against the core's
+    formula and the reference."""
+    force_fused(bk, monkeypatch)
     ops = bk.module.ops
     rng = np.random.default_rng(6)
     lead = (B, 2) if heads else (B,)
@@ -246,17 +281,19 @@ def test_every_strategy_takes_the_masks(bk, dtype, kind, heads, monkeypatch):
     want, want_w = _heads_reference(a_q, a_k, a_v, np_masks) if heads else ref.dot_product_attention(
         a_q, a_k, a_v, **np_masks
     )  # fmt: skip
-    math_out, math_w = core.dot_product_attention(ops, q, k, v, masks.valid_lens, None, *masks[1:])
-    scale = 1 / float(np.sqrt(D))
+    math_out, math_w = formula(core.dot_product_attention, ops, q, k, v, masks)
     for need_weights in (True, False):
-        got, got_w = strategies.scaled_dot_product(ops, q, k, v, masks, scale, need_weights=need_weights)
+        got, got_w = core.dot_product_attention(ops, q, k, v, masks, need_weights=need_weights)
         _both(bk, got, math_out, want, dtype)
         if need_weights:
             _both(bk, got_w, math_w, want_w, dtype)
-    if ops.can_fuse(q, k, v):
-        _both(bk, strategies.fused_attention(ops, q, k, v, masks, scale), math_out, want, dtype)
+    offer = ops.attend_fused(q, k, v, masks, 1 / float(np.sqrt(D)), None, False)
+    if not isinstance(offer, str):
+        _both(bk, offer()[0], math_out, want, dtype)
     if not heads:
         X = ops.matmul_t(q, k)
-        got = strategies.masked_softmax(ops, X, masks.valid_lens, masks.attention_mask, masks.causal)
         want_sm = ref.masked_softmax(bk.numpy(X).astype(np.float64), **np_masks)
-        _both(bk, got, core.masked_softmax(ops, X, *masks), want_sm, dtype)
+        _both(bk, core.masked_softmax(ops, X, masks), formula(core.masked_softmax, ops, X, masks), want_sm, dtype)
+        offer = ops.masked_softmax_in_scores_memory(copy(bk, X), None, masks, True, True)
+        if _offered(bk, "masked_softmax_in_scores_memory", offer):
+            assert_close(bk, offer()[0], want_sm, dtype)

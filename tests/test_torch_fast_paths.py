@@ -21,19 +21,19 @@ def _module():
 
 @pytest.fixture
 def taken(monkeypatch):
-    """Every size takes the slice path; the list records whether host_lengths answered."""
+    """Every size takes the slice path; the list records whether it was offered, each call."""
     m = _module()
     answers: list = []
-    real = m.TorchOps.host_lengths
+    real = m.TorchOps.masked_softmax_writing_padding
 
-    def spy(self, x, lens):
-        result = real(self, x, lens)
-        answers.append(result is not None)
-        return result
+    def spy(self, scores, values, masks, owned, exact):
+        offer = real(self, scores, values, masks, owned, exact)
+        answers.append(not isinstance(offer, str))
+        return offer
 
     monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
     monkeypatch.setattr(m, "SMALL_ELEMENTS", 0)  # and the softmax writes into the scores
-    monkeypatch.setattr(m.TorchOps, "host_lengths", spy)
+    monkeypatch.setattr(m.TorchOps, "masked_softmax_writing_padding", spy)
     return answers
 
 
@@ -138,8 +138,8 @@ def test_the_default_threshold_slices_at_benchmark_sizes_only():
     rng = np.random.default_rng(15)
     q, k, v = rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 8)), rng.normal(size=(2, 256, 3))
     lens = np.array([100, 256])
-    assert m.ops.host_lengths(torch.zeros(2, 256, 256), torch.tensor(lens)) == [100, 256]
-    assert m.ops.host_lengths(torch.zeros(2, 3, 5), torch.tensor(lens)) is None
+    assert m._sliceable_lengths(torch.zeros(2, 256, 256), torch.tensor(lens)) == [100, 256]
+    assert m._sliceable_lengths(torch.zeros(2, 3, 5), torch.tensor(lens)) is None
     with torch.no_grad():
         out, weights = m.dot_product_attention(
             *_tensors("float32", q, k, v), torch.tensor(lens), return_weights=True
@@ -160,14 +160,14 @@ def test_the_softmax_writes_into_the_scores_only_where_nothing_needs_them(dtype)
     x[1, 1, 3] = torch.inf
     want = torch.softmax(x, dim=-1)
     owned = x.clone()
-    got = m.ops.softmax_owned(owned)
+    got = m.ops._softmax_owned(owned)
     assert got.data_ptr() == owned.data_ptr()  # no new (B, Q, K) tensor
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
     # autograd needs the scores (softmax's backward keeps its output): a new tensor
     leaf = x.clone().requires_grad_()
     scores = leaf * 1.0
-    got = m.ops.softmax_owned(scores)
+    got = m.ops._softmax_owned(scores)
     assert got.data_ptr() != scores.data_ptr()
     cotangent = torch.randn_like(x)
     (got * cotangent).nansum().backward()
@@ -181,7 +181,7 @@ def test_half_softmax_keeps_its_float32_math():
 
     m = _module()
     x = torch.randn(4, 64, 64, dtype=torch.bfloat16) * 5
-    got = m.ops.softmax_owned(x.clone())
+    got = m.ops._softmax_owned(x.clone())
     torch.testing.assert_close(got, torch.softmax(x.float(), dim=-1).bfloat16(), rtol=0, atol=0)
 
 
@@ -191,10 +191,10 @@ def test_no_slices_where_the_lengths_cannot_be_read_or_autograd_needs_the_weight
     m = _module()
     big = torch.zeros(2, 256, 256)
     lens = torch.tensor([10, 300])
-    assert m.ops.host_lengths(big.clone().requires_grad_(), lens) is None  # softmax backward
-    assert m.ops.host_lengths(big, lens[:, None].expand(2, 256)) is None  # per-query lengths
+    assert m._sliceable_lengths(big.clone().requires_grad_(), lens) is None  # softmax backward
+    assert m._sliceable_lengths(big, lens[:, None].expand(2, 256)) is None  # per-query lengths
     with torch.no_grad():
-        assert m.ops.host_lengths(big.clone().requires_grad_(), lens) == [10, 300]
+        assert m._sliceable_lengths(big.clone().requires_grad_(), lens) == [10, 300]
 
 
 def test_float_lengths_on_the_slice_path_round_like_the_mask(taken):
@@ -331,19 +331,17 @@ def test_the_sigmoid_calibration_runs_under_vmap_and_no_grad(monkeypatch):
 def visible(monkeypatch):
     """Every size takes the visible-keys path; the list records each call's lengths and
     whether it wanted the weights."""
-    from multiattn import strategies
-
     m = _module()
     calls: list = []
-    real = m.TorchOps.attend_visible_keys
+    real = m.TorchOps._attend_visible_keys
 
     def spy(self, queries, keys, values, lengths, scale, need_weights):
         calls.append((list(lengths), need_weights))
         return real(self, queries, keys, values, lengths, scale, need_weights)
 
     monkeypatch.setattr(m, "VISIBLE_KEYS_MIN_SEQUENCE_SCORES", 0)
-    monkeypatch.setattr(strategies, "VISIBLE_KEYS_MAX_SHARE", 1.0)
-    monkeypatch.setattr(m.TorchOps, "attend_visible_keys", spy)
+    monkeypatch.setattr(m, "VISIBLE_KEYS_MAX_SHARE", 1.0)
+    monkeypatch.setattr(m.TorchOps, "_attend_visible_keys", spy)
     return calls
 
 
@@ -437,14 +435,16 @@ def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monk
     # the output is not finite, so the strategy answers as the core does
     import torch
 
-    from multiattn import core
+    from multiattn import core, specialise
+    from multiattn.masks import Masks
 
     m = _module()
     args = _no_finite_visible_score(poison, seed=34)
     with torch.no_grad():
         got = m.dot_product_attention(*args, return_weights=True)
         fast = m.dot_product_attention(*args)
-        want = core.dot_product_attention(m.ops, *args)
+        with specialise.primitives_only():
+            want = core.dot_product_attention(m.ops, *args[:3], Masks(args[3]))
     assert [need for _, need in visible] == [True, False]
     for a, b in zip(got, want):  # not taken: core's answer
         np.testing.assert_array_equal(a.numpy(), b.numpy())
@@ -457,39 +457,40 @@ def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monk
     np.testing.assert_allclose(fast, want_out, rtol=1e-12, atol=1e-12)
 
 
+def _offers_visible_keys(q, k, v, lens):
+    from multiattn.masks import Masks
+
+    return not isinstance(_module().ops.attend_over_visible_keys(q, k, v, Masks(lens), 1.0, None, True), str)
+
+
 def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():
     import torch
 
-    from multiattn import strategies
-
-    m = _module()
     q, k, v = torch.zeros(2, 512, 8), torch.zeros(2, 512, 8), torch.zeros(2, 512, 3)
     lens = torch.tensor([100, 512])
     with torch.no_grad():
-        assert m.ops.visible_key_lengths(q, k, v, lens) == [100, 512]  # 256K scores per sequence
-        assert m.ops.visible_key_lengths(q[:, :4], k[:, :4], v[:, :4], lens) is None  # 16 per sequence
-        assert m.ops.visible_key_lengths(q.half(), k.half(), v.half(), lens) is None  # float32 math
-        assert m.ops.visible_key_lengths(q, k, v, lens[:, None].expand(2, 512)) is None  # per query
-        masks = strategies.Masks(torch.tensor([500, 512]))  # hides 1% of the keys: not worth it
-        assert strategies._visible_key_lengths(m.ops, q, k, v, masks) is None
-        masks = strategies.Masks(torch.tensor([100, 512]))
-        assert strategies._visible_key_lengths(m.ops, q, k, v, masks) == [100, 512]
-    assert m.ops.visible_key_lengths(q.clone().requires_grad_(), k, v, lens) is None  # out= has no backward
+        assert _offers_visible_keys(q, k, v, lens)  # 256K scores per sequence
+        assert not _offers_visible_keys(q[:, :4], k[:, :4], v[:, :4], lens)  # 16 per sequence
+        assert not _offers_visible_keys(q.half(), k.half(), v.half(), lens)  # float32 math
+        assert not _offers_visible_keys(q, k, v, lens[:, None].expand(2, 512))  # per query
+        assert not _offers_visible_keys(q, k, v, torch.tensor([500, 512]))  # hides 1% of the keys: not worth it
+    assert not _offers_visible_keys(q.clone().requires_grad_(), k, v, lens)  # out= has no backward
     with torch.no_grad():
         # torch.func.vmap wraps its tensors and refuses out=: declined, the other paths run
-        declined = torch.func.vmap(lambda x: torch.tensor(m.ops.visible_key_lengths(x, k, v, lens) is None))
+        declined = torch.func.vmap(lambda x: torch.tensor(not _offers_visible_keys(x, k, v, lens)))
         assert declined(q[None].expand(2, -1, -1, -1)).all()
-        keys_only = torch.func.vmap(lambda y: torch.tensor(m.ops.visible_key_lengths(q, y, v, lens) is None))
+        keys_only = torch.func.vmap(lambda y: torch.tensor(not _offers_visible_keys(q, y, v, lens)))
         assert keys_only(k[None].expand(2, -1, -1, -1)).all()
-        lens_only = torch.func.vmap(lambda n: torch.tensor(m.ops.visible_key_lengths(q, k, v, n) is None))
+        lens_only = torch.func.vmap(lambda n: torch.tensor(not _offers_visible_keys(q, k, v, n)))
         assert lens_only(lens[None].expand(2, -1)).all()
 
 
 def test_the_default_protocol_declines_the_visible_keys_path():
     import torch
 
+    from multiattn.masks import Masks
     from multiattn.protocol import Ops
 
     m = _module()
     big = torch.zeros(2, 512, 8)
-    assert Ops.visible_key_lengths(m.ops, big, big, big, torch.tensor([1, 2])) is None
+    assert isinstance(Ops.attend_over_visible_keys(m.ops, big, big, big, Masks(torch.tensor([1, 2])), 1.0, None, True), str)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import fast_paths
 from ..functional import bind
 from ..protocol import Ops, layer_exports, per_row
 
@@ -103,26 +104,30 @@ class JaxOps(Ops):
         scores = jnp.moveaxis(scores, 0, 1)  # (B, blocks, step, K)
         return scores.reshape(batch, n_blocks * step, scores.shape[-1])[:, :n_queries]
 
-    def can_fuse(self, queries, keys, values):
+    def attend_fused(self, queries, keys, values, masks, scale, dropout, need_weights):
+        declined = fast_paths.declines_fused(masks, dropout, need_weights)
+        if declined:
+            return declined
+        if not FUSED_ON_CPU and jax.default_backend() == "cpu":
+            return "on the CPU XLA's kernel is slower than the core's formula"
         # the kernel needs the value width to equal the query width, and its softmax runs
         # in float32, which would cost float64 inputs their precision
-        return (
-            (FUSED_ON_CPU or jax.default_backend() != "cpu")
-            and values.shape[-1] == queries.shape[-1]
-            and queries.dtype != jnp.float64
-        )
+        if values.shape[-1] != queries.shape[-1] or queries.dtype == jnp.float64:
+            return "the value width differs from the query width, or float64"
+        return lambda: fast_paths.fused_attention(self, _fused_kernel, queries, keys, values, masks, scale)
 
-    def fused_attention(self, queries, keys, values, mask, scale):
-        # jax's layout is (batch, seq, heads, dim): heads moved there, or one head added
-        heads = (lambda x: jnp.swapaxes(x, 1, 2)) if queries.ndim == 4 else (lambda x: x[:, :, None])
-        out = jax.nn.dot_product_attention(
-            heads(queries),
-            heads(keys),
-            heads(values),
-            mask=None if mask is None else (mask if mask.ndim == 4 else mask[:, None]),
-            scale=scale,
-        )
-        return jnp.swapaxes(out, 1, 2) if queries.ndim == 4 else out[:, :, 0]
+
+def _fused_kernel(queries, keys, values, mask, scale):
+    # jax's layout is (batch, seq, heads, dim): heads moved there, or one head added
+    heads = (lambda x: jnp.swapaxes(x, 1, 2)) if queries.ndim == 4 else (lambda x: x[:, :, None])
+    out = jax.nn.dot_product_attention(
+        heads(queries),
+        heads(keys),
+        heads(values),
+        mask=None if mask is None else (mask if mask.ndim == 4 else mask[:, None]),
+        scale=scale,
+    )
+    return jnp.swapaxes(out, 1, 2) if queries.ndim == 4 else out[:, :, 0]
 
 
 # On CPU XLA's dot_product_attention is slower than the unfused math (benchmarks/RESULTS.md);

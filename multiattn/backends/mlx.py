@@ -13,6 +13,7 @@ from typing import Any, Optional
 import mlx.core as mx
 import numpy as np
 
+from .. import fast_paths
 from ..functional import bind
 from ..protocol import Ops, layer_exports
 
@@ -98,21 +99,24 @@ class MlxOps(Ops):
         except ValueError:
             pass
 
-    def can_fuse(self, queries, keys, values):
-        return True
+    def attend_fused(self, queries, keys, values, masks, scale, dropout, need_weights):
+        declined = fast_paths.declines_fused(masks, dropout, need_weights)
+        if declined:
+            return declined
+        return lambda: fast_paths.fused_attention(self, _fused_kernel, queries, keys, values, masks, scale)
 
-    def fused_attention(self, queries, keys, values, mask, scale):
-        if queries.ndim == 4:  # heads already: mlx's layout is (batch, heads, seq, dim)
-            return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-        heads = mx.expand_dims  # one head
-        out = mx.fast.scaled_dot_product_attention(
-            heads(queries, 1),
-            heads(keys, 1),
-            heads(values, 1),
-            scale=scale,
-            mask=None if mask is None else heads(mask, 1),
-        )[:, 0]
-        return out  # the core zeroes fully masked rows, which this kernel spreads uniformly
+
+def _fused_kernel(queries, keys, values, mask, scale):
+    if queries.ndim == 4:  # heads already: mlx's layout is (batch, heads, seq, dim)
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    heads = mx.expand_dims  # one head
+    return mx.fast.scaled_dot_product_attention(
+        heads(queries, 1),
+        heads(keys, 1),
+        heads(values, 1),
+        scale=scale,
+        mask=None if mask is None else heads(mask, 1),
+    )[:, 0]
 
 
 ops = MlxOps()

@@ -14,6 +14,7 @@ import numpy as onp
 from mxnet import autograd, np, npx
 
 from .._machine import measured_faster
+from .. import fast_paths
 from ..functional import bind
 from ..protocol import Ops, layer_exports, per_row
 
@@ -81,7 +82,7 @@ class MxnetOps(Ops):
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
-    def softmax_owned(self, x):
+    def _softmax_owned(self, x):
         # the weights take the scores' memory; not while autograd records (softmax's backward
         # needs x's graph), in float16 (float32 math), or off the CPU (tested on the CPU only)
         if x.dtype == onp.float16 or autograd.is_recording() or not _on_cpu(x):
@@ -116,15 +117,32 @@ class MxnetOps(Ops):
     def cast(self, x, like):
         return x if x.dtype == like.dtype else x.astype(like.dtype)
 
+    # -- specialisations --------------------------------------------------------------------
+
     # mxnet's `where` is slow next to its sequence mask (a select, so NaN in the padding stays
     # out): the padding is written by the sequence mask, on views (mxnet.numpy's reshape
     # copies) and into the core's own scores (out=) outside autograd.
-    def host_lengths(self, x, lens):
-        if x.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
-            return None
-        return lens.asnumpy().astype("float64").tolist()
+    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+        if not masks.only_lengths:
+            return "not lengths alone"
+        if scores.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
+            return "float64 (the sequence mask's fill is float32)"
+        raw = masks.valid_lens.asnumpy().astype("float64").tolist()
+        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
+        scores = scores if owned else scores.copy()
+        return lambda: fast_paths.softmax_writing_padding(
+            self, scores, values, lengths, fill=self._fill_padding, softmax=self._softmax_owned,
+            zero_rows=self._zero_padded_rows,
+        )  # fmt: skip
 
-    def fill_padding(self, x, lengths, fill, uniform=False):
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+        if not owned:
+            return "the caller's scores are never written"
+        return lambda: fast_paths.softmax_in_scores_memory(
+            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        )
+
+    def _fill_padding(self, x, lengths, fill, uniform=False):
         n_keys = x.shape[-1]
         rows = _row_lengths(onp.asarray(lengths, dtype="int64"), x.shape)
         padded = rows < n_keys
@@ -143,7 +161,9 @@ class MxnetOps(Ops):
         _sequence_mask(flat, rows, fill, out=flat)
         return x
 
-    def zero_padded_rows(self, values, lengths):
+    def _zero_padded_rows(self, values, lengths):
+        if onp.isfinite(float(values.sum())):  # 0 * x is 0: nothing to zero
+            return values
         lengths = onp.asarray(lengths, dtype="int64")
         if lengths.ndim == 2:  # per-query lengths: a key is used if any query may see it
             lengths = lengths.max(axis=1)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from .. import fast_paths
 from ..functional import bind
 from ..protocol import Ops, layer_exports, per_row
 
@@ -65,11 +66,6 @@ class NumpyOps(Ops):
         work = x.astype(np.float32) if x.dtype.itemsize < 4 else x.copy()
         return _softmax_in_place(work).astype(x.dtype, copy=False)
 
-    def softmax_owned(self, x):
-        # the core's own scores: the steps run in x, no (B, Q, K) temporaries to page in
-        if x.dtype.itemsize < 4 or not x.flags.writeable:
-            return self.softmax(x)
-        return _softmax_in_place(x)
 
     def length_mask(self, x, lens, axis=-1):
         return np.arange(x.shape[axis]) < per_row(lens)
@@ -97,15 +93,38 @@ class NumpyOps(Ops):
     def cast(self, x, like):
         return x.astype(like.dtype, copy=False)
 
-    def host_lengths(self, x, lens):
+    # -- specialisations --------------------------------------------------------------------
+
+    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
         # host data: writing only the padding beats two masked passes at every size measured
-        return lens.tolist() if lens.ndim == 1 else None
+        if not masks.one_length_per_sequence:
+            return "not one length per sequence"
+        lengths = fast_paths.clip_lengths(masks.valid_lens.tolist(), scores.shape[-1])
+        scores = scores if owned else scores.copy()
+        return lambda: fast_paths.softmax_writing_padding(
+            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
+            zero_rows=_zero_padded_rows,
+        )  # fmt: skip
 
-    def additive_key_lengths(self, q_hidden, k_hidden, lens):
-        return lens.tolist() if lens.ndim == 1 else None
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+        if not owned:
+            return "the caller's scores are never written"
+        return lambda: fast_paths.softmax_in_scores_memory(
+            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        )
 
-    def copy(self, x):
-        return x.copy()
+    def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
+        return fast_paths.offer_additive_over_visible_keys(self, q_hidden, k_hidden, w_v, masks, read=np.ndarray.tolist)
+
+    def _softmax_owned(self, x):
+        # the core's own scores: the steps run in x, no (B, Q, K) temporaries to page in
+        if x.dtype.itemsize < 4 or not x.flags.writeable:
+            return self.softmax(x)
+        return _softmax_in_place(x)
+
+
+def _zero_padded_rows(values, lengths):
+    return fast_paths.zero_rows_by_slices(values, lengths, np.copy)
 
 
 def _softmax_in_place(x: np.ndarray) -> np.ndarray:

@@ -30,7 +30,7 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
-from .. import _registry, core, functional, layers, protocol, strategies, validation  # noqa: E402
+from .. import _registry, core, fast_paths, functional, layers, masks, protocol, specialise, specialisations, validation  # noqa: E402
 from ..functional import bind  # noqa: E402
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
 
@@ -99,7 +99,7 @@ class PaddleOps(Ops):
             return nn.functional.softmax(x, axis=-1, dtype="float32").astype(x.dtype)
         return nn.functional.softmax(x, axis=-1)
 
-    def softmax_owned(self, x):
+    def _softmax_owned(self, x):
         # the weights take the scores' memory (softmax_); not where autograd needs x, in a
         # static graph, or in half types (float32 math)
         if x.dtype in _HALF or not paddle.in_dynamic_mode() or not _untracked(x):
@@ -135,16 +135,34 @@ class PaddleOps(Ops):
     def cast(self, x, like):
         return x if x.dtype == like.dtype else x.astype(like.dtype)
 
-    def host_lengths(self, x, lens):
+    # -- specialisations --------------------------------------------------------------------
+
+    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
         # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
         # under autograd (softmax's backward needs its output as it was).
-        return _cpu_lengths(x, lens) if _untracked(x) else None
+        if not masks.one_length_per_sequence:
+            return "not one length per sequence"
+        raw = _cpu_lengths(scores, masks.valid_lens) if _untracked(scores) else None
+        if raw is None:
+            return "autograd records, a static graph or a device"
+        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
+        scores = scores if owned else scores.clone()
+        return lambda: fast_paths.softmax_writing_padding(
+            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
+            zero_rows=_zero_padded_rows,
+        )  # fmt: skip
 
-    def additive_key_lengths(self, q_hidden, k_hidden, lens):
-        return _cpu_lengths(q_hidden, lens)
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+        if not owned:
+            return "the caller's scores are never written"
+        return lambda: fast_paths.softmax_in_scores_memory(
+            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        )
 
-    def copy(self, x):
-        return x.clone()
+    def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
+        return fast_paths.offer_additive_over_visible_keys(
+            self, q_hidden, k_hidden, w_v, masks, read=lambda lens: _cpu_lengths(q_hidden, lens)
+        )
 
     def check_tensors(self, **tensors):
         super().check_tensors(**tensors)
@@ -152,6 +170,10 @@ class PaddleOps(Ops):
             if arg != "valid_lens" and x is not None and x.dtype in _HALF and x.place.is_cpu_place():
                 kernels = _NO_HALF.format("matmul, tanh and where")
                 raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {kernels}; use float32 (or a GPU)")
+
+
+def _zero_padded_rows(values, lengths):
+    return fast_paths.zero_rows_by_slices(values, lengths, paddle.clone)
 
 
 def _cpu_lengths(x, lens) -> Optional[list]:
@@ -178,7 +200,9 @@ __getattr__ = layer_exports("paddle")
 
 # paddle.jit.to_static would transcribe every function a layer calls, the framework-free
 # modules included, and trips on their plain Python; those modules run as Python instead.
-paddle.jit.ignore_module([_registry, validation, core, functional, layers, protocol, strategies])
+paddle.jit.ignore_module(
+    [_registry, core, fast_paths, functional, layers, masks, protocol, specialise, specialisations, validation]
+)
 
 
 def vjp(fn, args, cotangent):

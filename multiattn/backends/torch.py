@@ -9,6 +9,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from .. import fast_paths
 from .._machine import l2_cache_bytes, measured_faster
 from ..functional import bind
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports
@@ -32,10 +33,8 @@ def _kind(dtype: torch.dtype) -> str:
 class TorchOps(Ops):
     name = "torch"
     # one block of float32 additive features fills one core's L2: the sum, the activation and
-    # the w_v product stay in it (the best block size measured on a 2 MB and on a 1 MB L2)
+    # the w_v product stay in it (the block size measured best: benchmarks/RESULTS.md)
     feature_block_elements = l2_cache_bytes() // 4
-    # below about 64K scores SDPA's fixed cost exceeds the unfused math's on CPU
-    fused_min_scores = 1 << 16
 
     def shape(self, x):
         return x.shape  # a torch.Size, which is a tuple
@@ -58,7 +57,7 @@ class TorchOps(Ops):
         return torch.cat(xs, dim=axis)
 
     def matmul(self, a, b):
-        # bmm skips matmul's shape dispatch: half the per-call cost at toy sizes
+        # bmm skips matmul's shape dispatch, which dominates at toy sizes
         return torch.bmm(a, b) if a.dim() == 3 and b.dim() == 3 else torch.matmul(a, b)
 
     def matmul_t(self, a, b):
@@ -94,7 +93,7 @@ class TorchOps(Ops):
             return torch.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)
         return torch.softmax(x, dim=-1)
 
-    def softmax_owned(self, x):
+    def _softmax_owned(self, x):
         # The weights take the scores' memory: no new (B, Q, K) tensor to page in.  CPU only
         # (its kernel reads each element before writing it; a test checks), not where
         # autograd needs x (out= has no backward), in half types (float32 math), or under a
@@ -111,6 +110,17 @@ class TorchOps(Ops):
             return torch.softmax(x, dim=-1, out=x)
         except RuntimeError:  # torch.func.vmap has no batching rule for out=
             return self.softmax(x)
+
+    def _where_owned(self, mask, x, fill):
+        # in place unless autograd tracks x (out= has no backward) or a compiler plans the buffers
+        if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
+            return torch.where(mask, x, _constant(fill, x))
+        if x.numel() >= SMALL_ELEMENTS:
+            return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x) when large
+        try:
+            return torch.where(mask, x, _constant(fill, x), out=x)  # small: cheaper than ~mask and a fill
+        except RuntimeError:  # torch.func.vmap has no batching rule for out=
+            return torch.where(mask, x, _constant(fill, x))
 
     def length_mask(self, x, lens, axis=-1):
         if x.is_cpu:  # is_cpu first: reading .device builds a torch.device, costly at toy sizes
@@ -154,31 +164,60 @@ class TorchOps(Ops):
     def cast(self, x, like):
         return x.to(like.dtype)
 
-    def where_owned(self, mask, x, fill):
-        # in place unless autograd tracks x (out= has no backward) or a compiler plans the buffers
-        if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return torch.where(mask, x, _constant(fill, x))
-        if x.numel() >= SMALL_ELEMENTS:
-            return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x) when large
-        try:
-            return torch.where(mask, x, _constant(fill, x), out=x)  # small: cheaper than ~mask and a fill
-        except RuntimeError:  # torch.func.vmap has no batching rule for out=
-            return torch.where(mask, x, _constant(fill, x))
+    # -- specialisations --------------------------------------------------------------------
 
-    def host_lengths(self, x, lens):
-        # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
-        return _sliceable_lengths(x, lens)
-
-    def visible_key_lengths(self, queries, keys, values, lens):
+    def attend_over_visible_keys(self, queries, keys, values, masks, scale, dropout, need_weights):
+        if dropout is not None or not masks.one_length_per_sequence:
+            return "not one length per sequence without dropout"
         # one sequence's products run below the batch's rate: they pay on large sequences only
         heads = queries.shape[1] if queries.dim() == 4 else 1
         if heads * queries.shape[-2] * keys.shape[-2] < VISIBLE_KEYS_MIN_SEQUENCE_SCORES:
-            return None
-        if queries.dtype not in _FULL or any(map(_transformed, (queries, keys, values, lens))):
-            return None  # half types: float32 math; vmap and grad transforms: no out=
-        return _lengths_on_host(lens, queries, keys, values)
+            return "too few scores per sequence for the loop to pay"
+        if queries.dtype not in _FULL or any(map(_transformed, (queries, keys, values, masks.valid_lens))):
+            return "half types (float32 math) or a vmap/grad transform (no out=)"
+        lengths = fast_paths.hiding_enough(
+            _lengths_on_host(masks.valid_lens, queries, keys, values), keys.shape[-2], VISIBLE_KEYS_MAX_SHARE
+        )
+        if isinstance(lengths, str):
+            return lengths
 
-    def attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
+        def attend():
+            out, weights = self._attend_visible_keys(queries, keys, values, lengths, scale, need_weights)
+            # else some visible scores or values are not finite: the core's formula says what then
+            return (out, weights) if math.isfinite(float(out.sum())) else None
+
+        return attend
+
+    def attend_fused(self, queries, keys, values, masks, scale, dropout, need_weights):
+        declined = fast_paths.declines_fused(masks, dropout, need_weights)
+        if declined:
+            return declined
+        if not fast_paths.at_least(queries.shape[:-1] + keys.shape[-2:-1], FUSED_MIN_SCORES):
+            return "too few scores for SDPA's fixed cost"
+        return lambda: fast_paths.fused_attention(self, _sdpa, queries, keys, values, masks, scale)
+
+    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+        if not masks.one_length_per_sequence:
+            return "not one length per sequence"
+        # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
+        raw = _sliceable_lengths(scores, masks.valid_lens)
+        if raw is None:
+            return "too few scores per sequence, or the lengths are not readable on the host"
+        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
+        scores = scores if owned else scores.clone()
+        return lambda: fast_paths.softmax_writing_padding(
+            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
+            zero_rows=_zero_padded_rows,
+        )  # fmt: skip
+
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+        if not owned:
+            return "the caller's scores are never written"
+        return lambda: fast_paths.softmax_in_scores_memory(
+            self, scores, values, masks, exact, where=self._where_owned, softmax=self._softmax_owned
+        )
+
+    def _attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
         if not need_weights:
             return _fused_over_visible_keys(queries, keys, values, lengths, scale), None
         # per sequence: its scores in one reused contiguous buffer, then copied into the
@@ -205,24 +244,25 @@ class TorchOps(Ops):
                 weights[b, ..., n:] = 0.0
         return out, weights
 
-    def copy(self, x):
-        return x.clone()
 
-    def can_fuse(self, queries, keys, values):
-        return True
 
-    def fused_attention(self, queries, keys, values, mask, scale):
-        if queries.dim() == 4:  # heads already
-            return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
-        # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
-        out = F.scaled_dot_product_attention(
-            queries.unsqueeze(1),
-            keys.unsqueeze(1),
-            values.unsqueeze(1),
-            attn_mask=None if mask is None else mask.unsqueeze(1),
-            scale=scale,
-        )
-        return out.squeeze(1)
+def _sdpa(queries, keys, values, mask, scale):
+    """SDPA for the core's (B, [H,] n, d) inputs, mask None or boolean (B, [H|1,] 1|Q, K)."""
+    if queries.dim() == 4:  # heads already
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
+    out = F.scaled_dot_product_attention(
+        queries.unsqueeze(1),
+        keys.unsqueeze(1),
+        values.unsqueeze(1),
+        attn_mask=None if mask is None else mask.unsqueeze(1),
+        scale=scale,
+    )
+    return out.squeeze(1)
+
+
+def _zero_padded_rows(values, lengths):
+    return fast_paths.zero_rows_by_slices(values, lengths, torch.clone)
 
 
 def _fused_over_visible_keys(queries, keys, values, lengths, scale):
@@ -241,8 +281,11 @@ def _fused_over_visible_keys(queries, keys, values, lengths, scale):
 
 
 # Below this many scores per sequence the loop over the sequences' visible keys costs more
-# than its smaller products save.
+# than its smaller products save; and it pays only where the lengths hide enough of the keys.
 VISIBLE_KEYS_MIN_SEQUENCE_SCORES = 1 << 16
+VISIBLE_KEYS_MAX_SHARE = 0.85
+# Below this many scores SDPA's fixed cost exceeds the unfused math's on CPU.
+FUSED_MIN_SCORES = 1 << 16
 _FULL = (torch.float32, torch.float64)
 # vmap and grad transforms wrap their tensors (and refuse out=); without the test: decline
 _transformed = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: True)

@@ -1,21 +1,26 @@
-"""``multiattn check``: every backend against a float64 reference and against each other."""
+"""``multiattn check``: every backend against a float64 reference and against each other.
+
+Its modules, each importing only modules named before it (no import cycle, function-local
+imports included: tests/test_package_layout.py):
+``results`` (the result files and framework versions, a leaf), ``cases`` (the battery and its
+reference), ``table`` (check's rows), ``against`` (a user's function through the battery),
+``native_wrappers`` (each framework's own attention as such a function), ``native`` (running and
+judging those), ``native_report`` (their tables and docs/native-attention.md), ``worker`` (one
+backend in a subprocess), and this package: the subprocesses, and `check --json`'s files."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 import tempfile
-from collections import Counter
 from typing import Callable, Dict, List, Optional
-
-import numpy as np
 
 from .._registry import BACKENDS
 from . import worker
 from .cases import make_cases
+from .results import load_json, load_native, load_results, write_json
 from .table import Row, build_rows, render, rows_as_json
 
 __all__ = [
@@ -55,7 +60,7 @@ def _run_isolated(name: str, seed: int, timeout: float, against: Optional[List[s
             if proc.returncode == -11:
                 how += " (segmentation fault)"
             return {"version": "?", "status": f"failed: worker {how}: {tail}", "cases": {}}
-        return worker.load(out)
+        return load_results(out)
 
 
 def run_check(
@@ -109,9 +114,9 @@ def run_native(
 ) -> Dict[str, dict]:
     """Each framework's own attention (``check.native``), a subprocess per framework:
     {implementation label: results}; a backend without native attention (numpy) is left out."""
-    from . import native
+    from .native_wrappers import FRAMEWORKS
 
-    frameworks = [name for name in backends if name in native.FRAMEWORKS]
+    frameworks = [name for name in backends if name in FRAMEWORKS]
     results: Dict[str, dict] = {}
     for i, name in enumerate(frameworks, 1):
         if progress:
@@ -127,7 +132,7 @@ def run_native(
                 tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
                 failed = f"failed: worker exit {proc.returncode}: {tail}"
             if os.path.exists(os.path.join(out, "index.json")):
-                got = native.load(out)
+                got = load_native(out)
             else:  # a crash (a segfault) is that framework's one failed row, never a dead command
                 got = {name: {"version": "?", "status": failed, "cases": {}, "backend": name}}
         results.update(got)
@@ -137,80 +142,12 @@ def run_native(
     return results
 
 
-def _to_lists(value):
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _to_lists(v) for k, v in value.items()}
-    return value
-
-
-def _to_arrays(case: dict) -> dict:
-    out = dict(case)
-    for key in ("out", "weights", "fast"):
-        if key in out:
-            out[key] = np.asarray(out[key], dtype=np.float64)
-    if "grads" in out:
-        out["grads"] = {k: np.asarray(v, dtype=np.float64) for k, v in out["grads"].items()}
-    return out
-
-
 def save_json(
     path: str, results: Dict[str, dict], rows: List[Row], seed: int, native: bool = False,
     not_importable: Optional[Dict[str, str]] = None,
 ) -> None:  # fmt: skip
     """The results and rows of `check --json` (native: of `check --native --json`, with the
-    implementations that could not be imported, {label: why})."""
+    implementations that could not be imported, {label: why}); ``load_json`` reads them back."""
     from .. import __version__
 
-    doc = {"multiattn": __version__, "seed": seed, "native": native, "backends": _to_lists(results)}
-    if native:
-        doc["not_importable"] = dict(not_importable or {})
-    doc["rows"] = rows_as_json(rows)
-    with open(path, "w") as f:
-        json.dump(doc, f)
-
-
-def load_json(paths: List[str]) -> tuple:
-    """(merged results, seed, native) of several `check --json` files, or of several `check
-    --native --json` files (native True); their seeds must agree, and the kinds must not mix.
-
-    A backend found in more than one file keeps every one of its results, each labelled with
-    its file (``numpy [check-mxnet]``): never a silent choice of one.  A native implementation
-    that no file could import is among the results with the status ``absent: why``
-    (``native.split_absent``)."""
-    loaded: List[tuple] = []
-    not_importable: Dict[str, str] = {}
-    seed = native = None
-    for path in paths:
-        with open(path) as f:
-            try:
-                doc = json.load(f)
-                doc_seed, backends = doc["seed"], doc["backends"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise ValueError(
-                    f"{path} is not a file written by `multiattn check --json` ({err})"
-                ) from None
-        if seed is not None and doc_seed != seed:
-            raise ValueError(f"{path} was made with seed {doc_seed}, the others with seed {seed}")
-        doc_native = bool(doc.get("native", False))
-        if native is not None and doc_native != native:
-            kinds = ("`check --json`", "`check --native --json`")
-            raise ValueError(
-                f"{path} is from {kinds[doc_native]}, the others from {kinds[native]}: "
-                "report merges files of one kind"
-            )
-        seed, native = doc_seed, doc_native
-        for name, res in backends.items():
-            res["cases"] = {c: _to_arrays(r) for c, r in res["cases"].items()}
-            loaded.append((name, os.path.splitext(os.path.basename(path))[0], res))
-        for label, why in (doc.get("not_importable") or {}).items():
-            not_importable.setdefault(label, why)
-    counts = Counter(name for name, _, _ in loaded)
-    merged: Dict[str, dict] = {}
-    for name, source, res in loaded:
-        merged[f"{name} [{source}]" if counts[name] > 1 else name] = {**res, "backend": name}
-    for label, why in not_importable.items():
-        if label not in counts:  # imported by none of the files
-            merged[label] = {"version": "?", "status": f"absent: {why}", "cases": {}, "backend": label}
-    return merged, seed, bool(native)
+    write_json(path, __version__, results, rows_as_json(rows), seed, native, not_importable)

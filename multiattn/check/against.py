@@ -25,6 +25,7 @@ import numpy as np
 
 from .._registry import get_backend
 from .cases import FUNCTIONS, NUM_HEADS, Case, expected, make_cases
+from .results import framework_version
 
 KINDS = FUNCTIONS
 MASK_KEYWORDS = ("attention_mask", "causal")
@@ -118,8 +119,6 @@ def run_function(
 ) -> Dict[str, Any]:
     """The results of fn over the battery of its kind, in the form of ``worker.run_backend``;
     each case's result also carries ``modified`` (inputs written into) where it happened."""
-    from .worker import framework_version
-
     accepted = mask_keywords(fn, kind)
     module = get_backend(backend)
     if hasattr(module, "enable_float64"):

@@ -1,5 +1,6 @@
-"""The frameworks' own attention for ``multiattn check --native`` (run and reported by
-``check.native``): each implementation wrapped as a function of one of check's kinds.
+"""The frameworks' own attention for ``multiattn check --native`` (run and judged by
+``check.native``, reported by ``check.native_report``): each implementation wrapped as a
+function of one of check's kinds.
 
 Every implementation below is wrapped as a "user function" of its kind (the signature that
 ``check.against.run_function`` takes) that only translates multiattn's arguments into the
@@ -25,9 +26,9 @@ framework's, not the wrapper's: with no mask every wrapper agrees with the refer
 * multi-head layers: built by multiattn's ``MultiHeadAttention.to_native()`` for the
   case's sizes (4-wide queries, 3-wide keys and values, num_hiddens 4, 2 heads, biases),
   their parameters then replaced by the battery's canonical weights in the native layout
-  (``multiattn.layers.native``'s converters), as framework tensors, so that gradients
-  reach them (torch ``functional_call``, Keras ``stateless_call``, flax variables, paddle
-  and mlx attributes);
+  (``multiattn.layers.converters``), as framework tensors, so that gradients reach them
+  (torch ``functional_call``, Keras ``stateless_call``, flax variables, paddle and mlx
+  attributes);
 * ``jax.nn.dot_product_attention`` needs values as wide as the keys: the 3-wide values are
   zero-padded to the key width and the output's extra columns dropped (exact: the weights
   are the framework's, each output column is its own weighted sum).
@@ -44,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
+
+from .results import framework_version
 
 
 class Unsupported(Exception):
@@ -116,15 +119,16 @@ def jax_masks(
 
 def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.ndarray]]:
     """(canonical names in order, {native parameter path: indices into the concatenation of
-    the flattened canonical weights}), from ``multiattn.layers.native``'s converter of the
+    the flattened canonical weights}), from ``multiattn.layers.converters``' converter of the
     framework; ``Unsupported`` with its message where the layer cannot take cfg's sizes."""
     from .. import validation
-    from ..layers import native
+    from ..layers import converters
 
-    to = {"torch": native.torch_to, "tensorflow": native.keras_to, "jax": native.flax_to,
-          "paddle": native.paddle_to, "mlx": native.mlx_to}[framework]  # fmt: skip
-    shapes = validation.multi_head_weight_shapes(cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size,
-                                             cfg.bias)  # fmt: skip
+    to = {"torch": converters.torch_to, "tensorflow": converters.keras_to, "jax": converters.flax_to,
+          "paddle": converters.paddle_to, "mlx": converters.mlx_to}[framework]  # fmt: skip
+    shapes = validation.multi_head_weight_shapes(
+        cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias
+    )
     index, offset = {}, 0
     for name, shape in shapes.items():
         size = int(np.prod(shape))
@@ -138,9 +142,9 @@ def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.nda
 
 
 def _config(queries: Any, keys: Any, values: Any, weights: dict, num_heads: int) -> Any:
-    from ..layers import native
+    from ..layers import converters
 
-    return native.Config(
+    return converters.Config(
         int(weights["W_q"].shape[0]), int(num_heads), int(queries.shape[-1]), int(keys.shape[-1]),
         int(values.shape[-1]), "b_q" in weights, 0.0,
     )  # fmt: skip
@@ -234,7 +238,7 @@ def _keras_ops() -> Callable:
 def _keras_mha(scores: bool) -> Callable[[], Callable]:
     def make() -> Callable:
         from ..backends.tensorflow import MultiHeadAttention
-        from ..layers import native
+        from ..layers import converters
 
         def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
             import tensorflow as tf
@@ -245,7 +249,7 @@ def _keras_mha(scores: bool) -> Callable[[], Callable]:
                 lambda w: tf.reshape(w, [-1]),
             )  # fmt: skip
             layer = MultiHeadAttention(**cfg.kwargs(), dtype=queries.dtype.name).to_native()
-            by_variable = {id(native.attribute(layer, path)): value for path, value in params.items()}
+            by_variable = {id(converters.attribute(layer, path)): value for path, value in params.items()}
             trainable = [by_variable[id(v)] for v in layer.trainable_variables]
             (B, Q, _), K = queries.shape, keys.shape[1]
             mask = visible(_numpy(valid_lens), _numpy(attention_mask), False, B, Q, K)
@@ -287,14 +291,14 @@ def _flax_mha() -> Callable:
     from flax import nnx
 
     from ..backends.jax import MultiHeadAttention
-    from ..layers import native
+    from ..layers import converters
 
     def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
         cfg = _config(queries, keys, values, weights, num_heads)
         params = native_parameters("jax", cfg, weights, jnp.concatenate, lambda f, i: f[i], jnp.ravel)
         layer = MultiHeadAttention(**cfg.kwargs(), rngs=nnx.Rngs(0), param_dtype=queries.dtype).to_native()
         for path, value in params.items():
-            native.attribute(layer, path).set_value(value)
+            converters.attribute(layer, path).set_value(value)
         (B, Q, _), K = queries.shape, keys.shape[1]
         mask = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
         out, sown = nnx.capture(layer, nnx.Intermediate)(
@@ -328,7 +332,7 @@ def _paddle_mha() -> Callable:
     import paddle
 
     from ..backends.paddle import MultiHeadAttention
-    from ..layers import native
+    from ..layers import converters
 
     def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
         cfg = _config(queries, keys, values, weights, num_heads)
@@ -342,7 +346,7 @@ def _paddle_mha() -> Callable:
         layer.need_weights = True
         for path, value in params.items():  # a tensor in place of the Parameter: gradients reach it
             owner_path, name = path.rsplit(".", 1)
-            owner = native.attribute(layer, owner_path)
+            owner = converters.attribute(layer, owner_path)
             del owner._parameters[name]
             object.__setattr__(owner, name, value)
         (B, Q, _), K = queries.shape, keys.shape[1]
@@ -578,8 +582,6 @@ def _numpy(tensor: Any) -> Optional[np.ndarray]:
 
 
 def implementation_version(impl: Implementation) -> str:
-    from .worker import framework_version
-
     if impl.version:
         module = sys.modules.get(impl.version) or importlib.import_module(impl.version)
         return str(getattr(module, "__version__", "?"))

@@ -2,25 +2,19 @@
 
 ``python -m multiattn.check.worker BACKEND SEED OUT.npz`` writes every result
 array to OUT.npz plus a JSON ``meta`` entry (framework version, per-case
-status), so that a crash of one framework never takes the command down.
+status; ``results.save_results``), so that a crash of one framework never takes
+the command down.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 from typing import Any, Callable, Dict
 
-import numpy as np
-
-from .._registry import BACKENDS, get_backend
+from .._registry import get_backend
 from .cases import NUM_HEADS, Case, make_cases
-
-
-def framework_version(name: str) -> str:
-    module = sys.modules.get(BACKENDS[name][0])
-    return str(getattr(module, "__version__", "?"))
+from .results import framework_version, save_native, save_results
 
 
 def _run_case(module: Any, case: Case) -> Dict[str, Any]:
@@ -96,39 +90,6 @@ def run_backend(name: str, seed: int) -> Dict[str, Any]:
     return results
 
 
-def save(results: Dict[str, Any], path: str) -> None:
-    arrays, meta = {}, {"version": results["version"], "status": results["status"], "cases": {}}
-    for case, result in results["cases"].items():
-        meta["cases"][case] = {
-            "status": result["status"],
-            "grads": sorted(result.get("grads", {})),
-            **({"modified": result["modified"]} if result.get("modified") else {}),
-        }
-        for key in ("out", "weights", "fast"):
-            if key in result:
-                arrays[f"{case}|{key}"] = result[key]
-        for arg, grad in result.get("grads", {}).items():
-            arrays[f"{case}|grad|{arg}"] = grad
-    np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
-
-
-def load(path: str) -> Dict[str, Any]:
-    with np.load(path) as data:
-        meta = json.loads(str(data["meta"]))
-        results = {"version": meta["version"], "status": meta["status"], "cases": {}}
-        for case, info in meta["cases"].items():
-            result: Dict[str, Any] = {"status": info["status"]}
-            if info.get("modified"):
-                result["modified"] = info["modified"]
-            for key in ("out", "weights", "fast"):
-                if f"{case}|{key}" in data:
-                    result[key] = data[f"{case}|{key}"]
-            if info["grads"]:
-                result["grads"] = {arg: data[f"{case}|grad|{arg}"] for arg in info["grads"]}
-            results["cases"][case] = result
-    return results
-
-
 def main(argv: list) -> int:
     """``BACKEND SEED OUT``, or ``--against SPEC KIND BACKEND SEED OUT [DTYPES] [--skip-fully-masked]``,
     or ``--native FRAMEWORK SEED OUTDIR`` (the framework's own attention, ``check.native``)."""
@@ -143,7 +104,7 @@ def main(argv: list) -> int:
         message = f"{type(err).__name__}: {err}"
         print(traceback.format_exc(), file=sys.stderr)
         results = {"version": "?", "status": f"failed: {message}", "cases": {}}
-    save(results, out)
+    save_results(results, out)
     return 0
 
 
@@ -160,7 +121,7 @@ def _main_against(argv: list) -> int:
     except BaseException as err:
         print(traceback.format_exc(), file=sys.stderr)
         results = {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {}}
-    save(results, out)
+    save_results(results, out)
     return 0
 
 
@@ -174,7 +135,7 @@ def _main_native(argv: list) -> int:
         print(traceback.format_exc(), file=sys.stderr)
         results = {name: {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {},
                           "backend": name}}  # fmt: skip
-    native.save(results, out)
+    save_native(results, out)
     return 0
 
 

@@ -1,6 +1,6 @@
 """The framework-native layer classes, one module per framework (``multiattn.layers.torch``,
 ...), and what they all share: argument checks, canonical weights and the call into
-``multiattn.strategies`` (``AttentionCall``).
+``multiattn.core`` (``AttentionCall``).
 
 The canonical (math) layout of the weights is the one of d2l's formulas, y = W x:
 additive a(q, k) = w_v^T tanh(W_q q + W_k k) has W_q (num_hiddens, query_size),
@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from .. import validation, core, strategies
+from .. import core, validation
 from ..protocol import Ops, Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
@@ -147,7 +147,7 @@ class MultiHeadWeights(CanonicalWeightsMixin):
 
 
 class AttentionCall:
-    """The call from a layer into the strategies, shared by every framework's classes.
+    """The call from a layer into the core, shared by every framework's classes.
 
     A framework's layers set ``_ops`` (the backend's ``Ops``); layers with parameters are also
     ``CanonicalWeightsMixin``s (``_parameter`` and ``_stored_in_out``).
@@ -182,8 +182,9 @@ class AttentionCall:
     ):
         """(output, weights or None) of dot-product attention."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        return strategies.dot_product_attention(
-            self._ops, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal
+        masks = validation.dot_product_call(self._ops, queries, keys, values, valid_lens, attention_mask, causal)
+        return core.dot_product_attention(
+            self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights
         )
 
     def _project(self, name: str, like: Tensor) -> Callable[[Tensor], Tensor]:
@@ -199,19 +200,25 @@ class AttentionCall:
     def _additive(self, queries, keys, values, valid_lens, dropout, attention_mask=None, causal=False):
         """(output, weights) of additive attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        return strategies.additive_attention(
-            self._ops, queries, keys, values, valid_lens,
+        ops = self._ops
+        masks = validation.additive_call(
+            ops, queries, keys, values, valid_lens, attention_mask, causal, self.query_size, self.key_size
+        )
+        return core.additive_attention(
+            ops, queries, keys, values, masks,
             project_q=self._project("q", queries), project_k=self._project("k", queries),
-            w_v=self._ops.cast(self._w_v(), queries), query_size=self.query_size, key_size=self.key_size,
-            dropout=dropout, attention_mask=attention_mask, causal=causal,
+            w_v=ops.cast(self._w_v(), queries), dropout=dropout,
         )  # fmt: skip
 
     def _multi_head(self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal):
         """(output, weights or None) of multi-head attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        return strategies.multi_head_attention(
-            self._ops, queries, keys, values, valid_lens,
+        sizes = (self.query_size, self.key_size, self.value_size)
+        masks = validation.multi_head_call(
+            self._ops, queries, keys, values, valid_lens, attention_mask, causal, self.num_heads, self.num_hiddens, sizes
+        )
+        return core.multi_head_attention(
+            self._ops, queries, keys, values, masks,
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
-            num_hiddens=self.num_hiddens, sizes=(self.query_size, self.key_size, self.value_size),
-            dropout=dropout, need_weights=need_weights, attention_mask=attention_mask, causal=causal,
+            num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights,
         )  # fmt: skip

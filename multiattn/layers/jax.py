@@ -24,7 +24,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
-    native,
+    converters,
 )
 
 
@@ -170,8 +170,10 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
         ``flax.nnx.MultiHeadAttention`` (as many key/value heads as heads, out_features == qkv_features)."""
         if not isinstance(layer, nnx.MultiHeadAttention):
             raise TypeError(f"from_native takes a flax.nnx.MultiHeadAttention, got {type(layer).__name__}")
-        arrays = native.read(lambda path: native.attribute(layer, path), native.FLAX_PATHS, _value)
-        config, weights = native.flax_from(
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.FLAX_PATHS, _value
+        )
+        config, weights = converters.flax_from(
             arrays, num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads, in_features=layer.in_features,
             qkv_features=layer.qkv_features, out_features=layer.out_features,
             in_kv_features=layer.in_kv_features, dropout_rate=layer.dropout_rate,
@@ -184,13 +186,13 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
     def to_native(self, *, rngs: Optional[nnx.Rngs] = None) -> nnx.MultiHeadAttention:
         """A new ``flax.nnx.MultiHeadAttention`` with these weights (needs key_size == value_size;
         ``decode=False``, ``broadcast_dropout=False``, deterministic as this layer's dropout)."""
-        kwargs, arrays = native.flax_to(native.config(self, self.dropout.rate), self.get_weights())
+        kwargs, arrays = converters.flax_to(converters.config(self, self.dropout.rate), self.get_weights())
         layer = nnx.MultiHeadAttention(
             **kwargs, decode=False, deterministic=bool(self.dropout.deterministic),
             param_dtype=self.W_o.kernel[...].dtype, rngs=rngs if rngs is not None else nnx.Rngs(0),
         )  # fmt: skip
         for path, value in arrays.items():
-            variable = native.attribute(layer, path)
+            variable = converters.attribute(layer, path)
             variable.set_value(jnp.asarray(value, dtype=variable[...].dtype))
         return layer
 

@@ -15,7 +15,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
-    native,
+    converters,
 )
 
 
@@ -128,8 +128,10 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         (value_dims == value_output_dims == dims; it has no dropout)."""
         if not isinstance(layer, nn.MultiHeadAttention):
             raise TypeError(f"from_native takes an mlx.nn.MultiHeadAttention, got {type(layer).__name__}")
-        arrays = native.read(lambda path: native.attribute(layer, path), native.MLX_PATHS, to_numpy)
-        config, weights = native.mlx_from(arrays, num_heads=layer.num_heads)
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.MLX_PATHS, to_numpy
+        )
+        config, weights = converters.mlx_from(arrays, num_heads=layer.num_heads)
         out = cls(**config.kwargs())
         out.set_dtype(layer.query_proj.weight.dtype)
         out.set_weights(weights)
@@ -137,7 +139,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
 
     def to_native(self) -> nn.MultiHeadAttention:
         """A new ``mlx.nn.MultiHeadAttention`` with these weights (needs dropout == 0)."""
-        kwargs, arrays = native.mlx_to(native.config(self, self._rate), self.get_weights())
+        kwargs, arrays = converters.mlx_to(converters.config(self, self._rate), self.get_weights())
         layer = nn.MultiHeadAttention(**kwargs)
         dtype = self.W_o.weight.dtype
         for path, value in arrays.items():

@@ -16,7 +16,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
-    native,
+    converters,
 )
 
 
@@ -118,8 +118,10 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         ``paddle.nn.MultiHeadAttention``."""
         if not isinstance(layer, nn.MultiHeadAttention):
             raise TypeError(f"from_native takes a paddle.nn.MultiHeadAttention, got {type(layer).__name__}")
-        arrays = native.read(lambda path: native.attribute(layer, path), native.PADDLE_PATHS, to_numpy)
-        config, weights = native.paddle_from(
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.PADDLE_PATHS, to_numpy
+        )
+        config, weights = converters.paddle_from(
             arrays, embed_dim=layer.embed_dim, num_heads=layer.num_heads, kdim=layer.kdim, vdim=layer.vdim,
             dropout=layer.dropout,
         )  # fmt: skip
@@ -131,11 +133,11 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
 
     def to_native(self) -> nn.MultiHeadAttention:
         """A new ``paddle.nn.MultiHeadAttention`` with these weights (needs query_size == num_hiddens)."""
-        kwargs, arrays = native.paddle_to(native.config(self, self.dropout.p), self.get_weights())
+        kwargs, arrays = converters.paddle_to(converters.config(self, self.dropout.p), self.get_weights())
         layer = nn.MultiHeadAttention(**kwargs)
         layer.to(dtype=self.W_o.weight.dtype)
         for path, value in arrays.items():
-            param = native.attribute(layer, path)
+            param = converters.attribute(layer, path)
             param.set_value(paddle.to_tensor(value).astype(param.dtype))
         layer.train(self.training)
         return layer

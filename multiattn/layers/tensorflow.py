@@ -22,7 +22,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
-    native,
+    converters,
 )
 
 
@@ -206,8 +206,10 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             raise TypeError(
                 f"from_native takes a keras.layers.MultiHeadAttention, got {type(layer).__name__}"
             )
-        arrays = native.read(lambda path: native.attribute(layer, path), native.KERAS_PATHS, to_numpy)
-        config, weights = native.keras_from(
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.KERAS_PATHS, to_numpy
+        )
+        config, weights = converters.keras_from(
             arrays, num_heads=layer.num_heads, key_dim=layer.key_dim, value_dim=layer.value_dim,
             dropout=layer.dropout, output_shape=layer._output_shape, attention_axes=layer.attention_axes,
             use_gate=getattr(layer, "_use_gate", False),
@@ -219,10 +221,10 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
 
     def to_native(self) -> Any:
         """A new, built ``keras.layers.MultiHeadAttention`` with these weights."""
-        kwargs, arrays, build = native.keras_to(native.config(self, self.rate), self.get_weights())
+        kwargs, arrays, build = converters.keras_to(converters.config(self, self.rate), self.get_weights())
         layer = keras.layers.MultiHeadAttention(**kwargs, dtype=self.W_o.dtype)
         layer.build(**build)
         for path, value in arrays.items():
-            variable = native.attribute(layer, path)
+            variable = converters.attribute(layer, path)
             variable.assign(np.asarray(value, dtype=variable.dtype))
         return layer

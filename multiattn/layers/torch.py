@@ -20,7 +20,7 @@ from . import (
     check_dropout,
     check_multi_head_sizes,
     check_sizes,
-    native,
+    converters,
 )
 
 
@@ -148,8 +148,10 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         ``torch.nn.MultiheadAttention`` (either ``batch_first``; this layer is batch first)."""
         if not isinstance(layer, nn.MultiheadAttention):
             raise TypeError(f"from_native takes a torch.nn.MultiheadAttention, got {type(layer).__name__}")
-        arrays = native.read(lambda path: native.attribute(layer, path), native.TORCH_PATHS, to_numpy)
-        config, weights = native.torch_from(
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.TORCH_PATHS, to_numpy
+        )
+        config, weights = converters.torch_from(
             arrays, embed_dim=layer.embed_dim, num_heads=layer.num_heads, kdim=layer.kdim, vdim=layer.vdim,
             dropout=layer.dropout, add_zero_attn=layer.add_zero_attn,
         )  # fmt: skip
@@ -160,7 +162,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
 
     def to_native(self, batch_first: bool = True) -> nn.MultiheadAttention:
         """A new ``torch.nn.MultiheadAttention`` with these weights (needs query_size == num_hiddens)."""
-        kwargs, arrays = native.torch_to(native.config(self, self.dropout.p), self.get_weights())
+        kwargs, arrays = converters.torch_to(converters.config(self, self.dropout.p), self.get_weights())
         p = self.W_o.weight
         layer = nn.MultiheadAttention(**kwargs, batch_first=batch_first, device=p.device, dtype=p.dtype)
         with torch.no_grad():

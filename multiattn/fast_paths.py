@@ -1,0 +1,248 @@
+"""The framework-free halves of the adapters' specialisations (``multiattn.specialisations``).
+
+Each function here does one core step another way, for an adapter's offer to return: the
+adapter decides whether it applies (sizes, devices, autograd) and hands in its own kernels;
+what is the same for every adapter is written here once, over the core's own steps where
+the math is the same.  The tests hold each to the float64 reference, forced at small sizes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, List, Optional
+
+from . import core
+from .masks import Masks
+
+Tensor = Any
+Ops = Any
+
+
+# -- lengths read on the host ----------------------------------------------------------------
+
+
+def clip_lengths(raw: list, n_keys: int) -> List[Any]:
+    """How many of n_keys positions each length shows: position j is visible for
+    j < length, so 2.5 shows 3 (ceil), lengths <= 0 and NaN show none (j < NaN is false),
+    lengths past the end show all.  raw: one number per row, or a list per row."""
+    return [
+        clip_lengths(n, n_keys)
+        if isinstance(n, list)
+        else 0
+        if not n > 0
+        else n_keys
+        if n >= n_keys
+        else math.ceil(n)
+        for n in raw
+    ]
+
+
+def hiding_enough(raw: Optional[list], n_keys: int, max_share: float) -> Any:
+    """The clipped lengths where they hide at least ``1 - max_share`` of the keys, else the
+    reason they do not."""
+    if raw is None:
+        return "the lengths are not readable on the host here"
+    lengths = clip_lengths(raw, n_keys)
+    if sum(lengths) > max_share * n_keys * len(lengths):
+        return f"the lengths show more than {max_share:.0%} of the keys"
+    return lengths
+
+
+# -- the masked softmax with the padding written directly ------------------------------------
+
+
+def softmax_writing_padding(
+    ops: Ops,
+    scores: Tensor,
+    values: Optional[Tensor],
+    lengths: list,
+    *,
+    fill: Callable[..., Tensor],
+    softmax: Callable[[Tensor], Tensor],
+    zero_rows: Callable[[Tensor, list], Tensor],
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``core.masked_weights`` for one length per sequence, read on the host (clipped): the
+    padding of the scores, which the core owns, is set to the dtype's lowest, the softmax
+    runs (``softmax`` may write into them), and the padding of the weights is set to 0;
+    ``fill(x, lengths, value, uniform)`` writes ``x[b, ..., lengths[b]:] = value``.  Every
+    masked score is the same, so a row's masked weights are equal and mostly 0 already
+    (exp underflows): the second fill may skip those (uniform).  Padded values are zeroed by
+    ``zero_rows`` (a finite tensor needs none: 0 * x is 0)."""
+    weights = fill(softmax(fill(scores, lengths, ops.lowest(scores), False)), lengths, 0.0, True)
+    return weights, values if values is None else zero_rows(values, lengths)
+
+
+# Below this many weights writing every padding slice costs less than the test that skips some.
+SKIP_TEST_MIN_ELEMENTS = 1 << 14
+
+
+def fill_by_slices(x: Tensor, lengths: list, value: float, uniform: bool = False) -> Tensor:
+    """``x[b, ..., lengths[b]:] = value`` in place, one slice per sequence, for frameworks with
+    slice assignment (numpy, torch, paddle).  uniform: x holds softmax weights with one value
+    per row in the padding, so a sequence whose padding already equals value is skipped."""
+    shape = tuple(x.shape)
+    n_keys = shape[-1]
+    if uniform and math.prod(shape) >= SKIP_TEST_MIN_ELEMENTS:
+        # `<=`, not `==`: paddle's float `==` has a tolerance (1e-28 == 0); NaN is not done
+        done = (x[..., -1] <= value).reshape(len(lengths), -1).all(1).tolist()
+        lengths = [n_keys if ok and n > 0 else n for n, ok in zip(lengths, done)]
+    for row, n in enumerate(lengths):
+        if n < n_keys:
+            x[row, ..., n:] = value
+    return x
+
+
+def zero_rows_by_slices(values: Tensor, lengths: list, copy: Callable[[Tensor], Tensor]) -> Tensor:
+    """values (B, [H,] K, v) with the rows ``>= lengths[b]`` zeroed, in a copy, where some
+    are not finite; values itself where they are all finite or none is padding."""
+    n_keys = values.shape[-2]
+    if all(n >= n_keys for n in lengths) or math.isfinite(float(values.sum())):
+        return values
+    values = copy(values)
+    for row, n in enumerate(lengths):
+        if n < n_keys:
+            values[row, ..., n:, :] = 0.0
+    return values
+
+
+# -- the masked softmax in the scores' memory ----------------------------------------------
+
+
+def softmax_in_scores_memory(
+    ops: Ops,
+    scores: Tensor,
+    values: Optional[Tensor],
+    masks: Masks,
+    exact: bool,
+    *,
+    where: Callable[[Tensor, Tensor, float], Tensor],
+    softmax: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``core.masked_weights`` with ``where`` and ``softmax`` allowed to write into the
+    scores, which the core owns.  exact=False skips the final zeroing (``core.masked_weights``)."""
+    mask = core.visibility(ops, masks, scores)
+    if mask is None:
+        return softmax(scores), values
+    weights = softmax(where(mask, scores, ops.lowest(scores)))
+    if exact or not masks.one_length_per_sequence:
+        weights = where(mask, weights, 0.0)
+    return weights, values if values is None else core.visible_values(ops, values, mask)
+
+
+# -- a fused kernel ----------------------------------------------------------------------------
+
+
+def fused_attention(
+    ops: Ops,
+    kernel: Callable[..., Tensor],
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+    scale: float,
+) -> tuple[Tensor, None]:
+    """(output, None) of ``core.dot_product_attention`` from a framework's fused kernel,
+    ``kernel(queries, keys, values, mask or None, scale)``, with the core's guarantees:
+    nothing from the padding reaches an output (kernels add the mask to NaN scores), and
+    fully masked rows are 0 (kernels spread them uniformly)."""
+    if masks.none:
+        return kernel(queries, keys, values, None, scale), None
+    mask = core.visibility(ops, masks, queries=queries, keys=keys)
+    keys = core.visible_values(ops, keys, mask)
+    values = core.visible_values(ops, values, mask)
+    # a prefix of lengths shows the first key if any: one column tells which rows see nothing
+    seen = mask[..., :1] if masks.only_lengths else ops.any(mask, -1)
+    return ops.where(seen, kernel(queries, keys, values, mask, scale), 0.0), None
+
+
+def declines_fused(masks: Masks, dropout: Any, need_weights: bool) -> Optional[str]:
+    """Why a fused kernel, which gives no weights and has no dropout, cannot do this call."""
+    if need_weights:
+        return "the weights are wanted"
+    if dropout is not None:
+        return "dropout on the weights"
+    return None
+
+
+def at_least(shape: tuple, elements: int) -> bool:
+    """Whether a tensor of this shape has at least ``elements`` elements (unknown
+    dimensions, as in a symbolic graph, count as large)."""
+    total = 1
+    for size in shape:
+        if size is None:
+            return True
+        total *= size
+    return total >= elements
+
+
+# -- additive scores ---------------------------------------------------------------------------
+
+
+def additive_scores_over_visible_keys(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, lengths: list) -> Tensor:
+    """``core.additive_scores`` of each sequence over its first lengths[b] keys only, the other
+    scores 0 (for the masked softmax to hide): no features are made for keys that no query of
+    the sequence may see."""
+    n_queries, n_keys = ops.shape(q_hidden)[1], ops.shape(k_hidden)[1]
+    rows = []
+    for b, n in enumerate(lengths):
+        parts = [core.additive_scores(ops, q_hidden[b : b + 1], k_hidden[b : b + 1, :n], w_v)] if n else []
+        if n < n_keys:
+            parts.append(ops.zeros((1, n_queries, n_keys - n), q_hidden))
+        rows.append(ops.concat(parts, -1) if len(parts) > 1 else parts[0])
+    return ops.concat(rows, 0)
+
+
+# From this many features per sequence (queries x hiddens x keys) the loop over the sequences
+# pays for itself; and only where the lengths hide enough of the keys.
+ADDITIVE_VISIBLE_KEYS_MIN_FEATURES = 1 << 16
+ADDITIVE_VISIBLE_KEYS_MAX_SHARE = 0.85
+
+
+def offer_additive_over_visible_keys(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks, read: Callable[[Tensor], Optional[list]]
+) -> Any:
+    """The offer of ``additive_scores_over_visible_keys`` for an adapter whose ``read(lens)``
+    gives the lengths (B,) as Python numbers (None where it may not read them)."""
+    if not masks.one_length_per_sequence:
+        return "not one length per sequence"
+    _, n_queries, hiddens = ops.shape(q_hidden)
+    n_keys = ops.shape(k_hidden)[1]
+    if None in (n_queries, hiddens, n_keys) or n_queries * hiddens * n_keys < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES:
+        return "too few features per sequence for the loop to pay"
+    lengths = hiding_enough(read(masks.valid_lens), n_keys, ADDITIVE_VISIBLE_KEYS_MAX_SHARE)
+    if isinstance(lengths, str):
+        return lengths
+    return lambda: additive_scores_over_visible_keys(ops, q_hidden, k_hidden, w_v, lengths)
+
+
+def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, step: int) -> Tensor:
+    """``core.additive_scores`` block by block of ``step`` queries (``ops.map_query_blocks``),
+    the features laid out (B, q, h, K) by default: keys innermost, the sum adds one number to
+    each row of keys and w_v contracts as one (1, h) @ (h, K) product; d2l's (B, q, K, h) where
+    the adapter prefers it (``hiddens_innermost``)."""
+    # tanh(z) = 2 sigmoid(2z) - 1 where sigmoid is cheaper: the 2s go into the (small)
+    # projections and w_v, and the -sum(w_v) is left out (every score of a row shifts alike,
+    # which the softmax ignores: the scores are core's plus sum(w_v), the weights the same).
+    by_sigmoid = ops.tanh_by_sigmoid(q_hidden)
+    if by_sigmoid:
+        q_hidden, k_hidden, w_v = q_hidden * 2.0, k_hidden * 2.0, w_v * 2.0
+    activation = ops.sigmoid_of_sum if by_sigmoid else ops.tanh_of_sum
+    if ops.hiddens_innermost:
+        k_side, q_axis = ops.expand_dims(k_hidden, 1), 2  # (B, 1, K, h)
+
+        def contract(features: Tensor) -> Tensor:  # (B, q, K, h) -> (B, q, K)
+            return ops.matmul(features, w_v)
+
+    else:
+        k_side, q_axis = ops.expand_dims(ops.matrix_transpose(k_hidden), 1), 3  # (B, 1, h, K)
+        w_row = ops.expand_dims(w_v, 0)  # (1, h)
+
+        def contract(features: Tensor) -> Tensor:  # (B, q, h, K) -> (B, q, K)
+            return ops.matmul(w_row, features)[:, :, 0, :]
+
+    buffers: list = []  # where the activation may keep a dead block's features to reuse
+
+    def score_block(q_block: Tensor) -> Tensor:  # (B, q, h) -> (B, q, K)
+        return contract(activation(ops.expand_dims(q_block, q_axis), k_side, buffers))
+
+    return ops.map_query_blocks(score_block, q_hidden, step)

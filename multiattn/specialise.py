@@ -1,0 +1,89 @@
+"""Which specialisation of a core step runs: the order they are tried in, written once, and
+the record of why the others declined.
+
+A specialisation is a method of the adapter (``multiattn.specialisations.Specialisations``)
+that takes a step's inputs and returns either a function of no arguments that does the
+step, or a short string saying why it declines.  ``first`` asks them in ``ORDER``; the core
+runs its own formula where every one declines.  ``primitives_only()`` switches them all off
+(the tests run the matrix so); ``explained()`` records each decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Callable, Iterator, List, Optional, Tuple
+
+# step -> its specialisations, tried in this order
+ORDER = {
+    "dot_product_attend": ("attend_over_visible_keys", "attend_fused"),
+    "masked_softmax": ("masked_softmax_writing_padding", "masked_softmax_in_scores_memory"),
+    "additive_scores": ("additive_scores_over_visible_keys", "additive_scores_in_blocks"),
+}
+_ASK = {
+    "attend_over_visible_keys": lambda ops, *a: ops.attend_over_visible_keys(*a),
+    "attend_fused": lambda ops, *a: ops.attend_fused(*a),
+    "masked_softmax_writing_padding": lambda ops, *a: ops.masked_softmax_writing_padding(*a),
+    "masked_softmax_in_scores_memory": lambda ops, *a: ops.masked_softmax_in_scores_memory(*a),
+    "additive_scores_over_visible_keys": lambda ops, *a: ops.additive_scores_over_visible_keys(*a),
+    "additive_scores_in_blocks": lambda ops, *a: ops.additive_scores_in_blocks(*a),
+}
+OFF = "all specialisations are off (MULTIATTN_SPECIALISATIONS=off or primitives_only())"
+
+_state = {"on": os.environ.get("MULTIATTN_SPECIALISATIONS", "on").lower() != "off", "log": None}
+Decision = Tuple[str, str, str, str]  # (backend, step, specialisation, "ran" or why it declined)
+
+
+def run(ops: Any, step: str, *inputs: Any) -> Any:
+    """The result of the first specialisation of ``step`` that takes these inputs, or None
+    where every one declines (the core then runs its formula).  An offered function may
+    itself return None where it finds, once run, that it cannot give the step's answer."""
+    log = _state["log"]
+    if not _state["on"]:
+        if log is not None:
+            log.append((ops.name, step, "*", OFF))
+        return None
+    for name in ORDER[step]:
+        offer = _ASK[name](ops, *inputs)
+        if isinstance(offer, str):
+            if log is not None:
+                log.append((ops.name, step, name, offer))
+            continue
+        result = offer()
+        if log is not None:
+            log.append((ops.name, step, name, "ran" if result is not None else "declined after running"))
+        if result is not None:
+            return result
+    return None
+
+
+@contextlib.contextmanager
+def primitives_only(off: bool = True) -> Iterator[None]:
+    """Within the block, every step runs the core's formula over the required primitives."""
+    before = _state["on"]
+    _state["on"] = not off
+    try:
+        yield
+    finally:
+        _state["on"] = before
+
+
+@contextlib.contextmanager
+def explained() -> Iterator[List[Decision]]:
+    """Within the block, each decision is appended to the list it gives: (backend, step,
+    specialisation, "ran" or the reason it declined)."""
+    before, log = _state["log"], []
+    _state["log"] = log
+    try:
+        yield log
+    finally:
+        _state["log"] = before
+
+
+def describe(decisions: List[Decision]) -> str:
+    """The decisions as lines: ``step: specialisation: outcome``."""
+    return "\n".join(f"{backend} {step}: {name}: {outcome}" for backend, step, name, outcome in decisions)
+
+
+Offer = Callable[[], Any]
+Answer = Optional[Any]
