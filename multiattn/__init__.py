@@ -17,6 +17,7 @@ from typing import Any
 
 from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
 from ._registry import selected_backend as _selected_backend
+from .specialise import explained, primitives_only
 from .validation import InputDtypeError
 
 __version__ = "0.1.0"
@@ -32,9 +33,11 @@ __all__ = [
     "additive_attention",
     "backend",
     "dot_product_attention",
+    "explained",
     "get_backend",
     "masked_softmax",
     "multi_head_attention",
+    "primitives_only",
 ]
 
 

@@ -53,7 +53,9 @@ def dot_product_attention(
         return no_attention(ops, queries, keys, values)
     if scale is None:
         scale = 1.0 / math.sqrt(ops.shape(queries)[-1])
-    done = specialise.run(ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights)
+    done = specialise.run(
+        ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
+    )
     if done is not None:
         return done
     scores = dot_product_scores(ops, queries, keys, scale)
@@ -123,7 +125,9 @@ def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) ->
     return ops.scaled_matmul_t(queries, keys, scale)
 
 
-def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks = NO_MASKS) -> Tensor:
+def additive_scores(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks = NO_MASKS
+) -> Tensor:
     """a(q, k) = w_v^T tanh(W_q q + W_k k) from the projections W_q q (B, Q, h) and W_k k
     (B, K, h): the features (B, Q, K, h) summed by broadcasting, as d2l does.  Scores of keys
     the masks hide may be anything finite (the masked softmax hides them)."""
@@ -135,7 +139,12 @@ def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, m
 
 
 def attend(
-    ops: Ops, scores: Tensor, values: Tensor, masks: Masks = NO_MASKS, dropout: Dropout = None, exact: bool = True
+    ops: Ops,
+    scores: Tensor,
+    values: Tensor,
+    masks: Masks = NO_MASKS,
+    dropout: Dropout = None,
+    exact: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """(attention pooling of values by the masked softmax of scores, the weights before
     dropout), for scores the core made itself.  exact=False: only the output is wanted."""

@@ -178,7 +178,9 @@ def at_least(shape: tuple, elements: int) -> bool:
 # -- additive scores ---------------------------------------------------------------------------
 
 
-def additive_scores_over_visible_keys(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, lengths: list) -> Tensor:
+def additive_scores_over_visible_keys(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, lengths: list
+) -> Tensor:
     """``core.additive_scores`` of each sequence over its first lengths[b] keys only, the other
     scores 0 (for the masked softmax to hide): no features are made for keys that no query of
     the sequence may see."""
@@ -199,7 +201,12 @@ ADDITIVE_VISIBLE_KEYS_MAX_SHARE = 0.85
 
 
 def offer_additive_over_visible_keys(
-    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks, read: Callable[[Tensor], Optional[list]]
+    ops: Ops,
+    q_hidden: Tensor,
+    k_hidden: Tensor,
+    w_v: Tensor,
+    masks: Masks,
+    read: Callable[[Tensor], Optional[list]],
 ) -> Any:
     """The offer of ``additive_scores_over_visible_keys`` for an adapter whose ``read(lens)``
     gives the lengths (B,) as Python numbers (None where it may not read them)."""
@@ -207,7 +214,10 @@ def offer_additive_over_visible_keys(
         return "not one length per sequence"
     _, n_queries, hiddens = ops.shape(q_hidden)
     n_keys = ops.shape(k_hidden)[1]
-    if None in (n_queries, hiddens, n_keys) or n_queries * hiddens * n_keys < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES:
+    if (
+        None in (n_queries, hiddens, n_keys)
+        or n_queries * hiddens * n_keys < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES
+    ):
         return "too few features per sequence for the loop to pay"
     lengths = hiding_enough(read(masks.valid_lens), n_keys, ADDITIVE_VISIBLE_KEYS_MAX_SHARE)
     if isinstance(lengths, str):

@@ -37,7 +37,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             and (attention_mask is None or type(attention_mask) in known)
         ):
             check(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-        return core.masked_softmax(ops, X, validation.softmax_call(ops, X, valid_lens, attention_mask, causal))
+        return core.masked_softmax(
+            ops, X, validation.softmax_call(ops, X, valid_lens, attention_mask, causal)
+        )
 
     def dot_product_attention(
         queries: Tensor,
@@ -68,7 +70,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
-        out, weights = core.dot_product_attention(ops, queries, keys, values, masks, need_weights=return_weights)
+        out, weights = core.dot_product_attention(
+            ops, queries, keys, values, masks, need_weights=return_weights
+        )
         return (out, weights) if return_weights else out
 
     def additive_attention(
@@ -126,7 +130,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
         project = {
-            n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n)) for n in "qkvo"
+            n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n))
+            for n in "qkvo"
         }
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,

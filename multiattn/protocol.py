@@ -162,6 +162,7 @@ def adapter_problems(cls: type) -> List[str]:
     """What is wrong with an Ops subclass: a public member Ops does not declare (a misspelled
     override would never be called), a required primitive left undefined."""
     declared = set(dir(Ops)) - {"mro"}
+    declared.update(*(vars(klass).get("_declares", ()) for klass in cls.__mro__))  # a shared base's own
     problems = [
         f"{klass.__name__}.{member} is not a member of protocol.Ops (misspelled?)"
         for klass in cls.__mro__

@@ -27,7 +27,14 @@ class Specialisations:
     # -- step ``dot_product_attend``: scores, masked softmax and pooling at once ---------------
 
     def attend_over_visible_keys(
-        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float, dropout: Any, need_weights: bool
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        masks: Masks,
+        scale: float,
+        dropout: Any,
+        need_weights: bool,
     ) -> Offer:
         """Each sequence over its visible keys only (one length per sequence): the padded keys'
         scores are never made.  The function gives (output, weights or None), or None where it
@@ -35,7 +42,14 @@ class Specialisations:
         return NOT_OFFERED
 
     def attend_fused(
-        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float, dropout: Any, need_weights: bool
+        self,
+        queries: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        masks: Masks,
+        scale: float,
+        dropout: Any,
+        need_weights: bool,
     ) -> Offer:
         """The framework's fused kernel (``fast_paths.fused_attention``): no weights, no dropout."""
         return NOT_OFFERED
@@ -58,12 +72,16 @@ class Specialisations:
 
     # -- step ``additive_scores`` ---------------------------------------------------------------
 
-    def additive_scores_over_visible_keys(self, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks) -> Offer:
+    def additive_scores_over_visible_keys(
+        self, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks
+    ) -> Offer:
         """No features for the keys no query of a sequence may see
         (``fast_paths.offer_additive_over_visible_keys``)."""
         return NOT_OFFERED
 
-    def additive_scores_in_blocks(self, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks) -> Offer:
+    def additive_scores_in_blocks(
+        self, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks
+    ) -> Offer:
         """The features in blocks of queries of at most ``feature_block_elements``, so that the
         extra memory stays one block (``fast_paths.additive_scores_in_blocks``)."""
         batch, n_queries, hiddens = self.shape(q_hidden)
@@ -126,4 +144,3 @@ OFFERS = (
     "additive_scores_over_visible_keys",
     "additive_scores_in_blocks",
 )
-PARTS = ("feature_block_elements", "hiddens_innermost", "tanh_of_sum", "tanh_by_sigmoid", "sigmoid_of_sum", "map_query_blocks")

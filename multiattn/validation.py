@@ -290,7 +290,9 @@ def is_empty(shape: Shape) -> bool:
 # -- each public call's checks, and its masks gathered into one value ---------------------
 
 
-def gather_masks(ops: Ops, valid_lens: Tensor, attention_mask: Tensor, causal: Any, scores_shape: Shape) -> Masks:
+def gather_masks(
+    ops: Ops, valid_lens: Tensor, attention_mask: Tensor, causal: Any, scores_shape: Shape
+) -> Masks:
     """The checked masks as one ``Masks`` (attention_mask as booleans)."""
     if attention_mask is None and causal is False:  # the common case, in two comparisons
         return NO_MASKS if valid_lens is None else Masks(valid_lens)
@@ -305,7 +307,13 @@ def softmax_call(ops: Ops, X: Tensor, valid_lens: Tensor, attention_mask: Tensor
 
 
 def dot_product_call(
-    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, valid_lens: Tensor, attention_mask: Tensor, causal: Any
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    valid_lens: Tensor,
+    attention_mask: Tensor,
+    causal: Any,
 ) -> Masks:
     """The arguments of dot-product attention checked; its masks."""
     q_shape, k_shape, _ = check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)

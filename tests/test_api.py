@@ -164,7 +164,8 @@ def test_the_installed_package_is_complete(tmp_path):
     # run outside the checkout, so the installed distribution is imported, not the source tree
     code = (
         "import importlib, importlib.resources, multiattn\n"
-        "for m in ['core', 'validation', 'masks', 'specialise', 'specialisations', 'fast_paths', 'protocol', 'functional', 'layers', 'layers.numpy',\n"
+        "for m in ['core', 'validation', 'masks', 'specialise', 'specialisations', 'fast_paths',\n"
+        "          'protocol', 'functional', 'layers', 'layers.numpy',\n"
         "          'reference', 'plot', 'cli', 'demo',\n"
         "          'check', 'check.cases', 'check.worker', 'check.table', 'backends.numpy']:\n"
         "    importlib.import_module('multiattn.' + m)\n"

@@ -118,7 +118,7 @@ def test_gradients_match_finite_differences(bk, function, mask, dtype, monkeypat
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_additive_features_over_the_visible_keys_have_the_gradients(bk, dtype, monkeypatch):
     # lengths [0, 7] of 5 keys: the first sequence makes no features, the second all of them
-    from .test_strategies import READ_ADDITIVE_KEY_LENGTHS, force_additive_visible_keys
+    from .test_specialisations import READ_ADDITIVE_KEY_LENGTHS, force_additive_visible_keys
 
     needs_autodiff(bk)
     runs = force_additive_visible_keys(monkeypatch)

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import multiattn
+from multiattn import specialise
 
 from . import reference as ref
 from .forcing import force_fused
@@ -17,6 +18,14 @@ MASKS = ["none", "1d", "2d"]
 # the last shape has value width == query width, which jax's fused kernel needs
 SHAPES = [(2, 3, 5, 4, 3, 3), (1, 1, 1, 2, 5, 1), (3, 4, 7, 8, 2, 6), (2, 3, 6, 4, 3, 4)]
 SHAPE_IDS = ["2x3x5", "1x1x1", "3x4x7", "2x3x6v4"]
+
+
+@pytest.fixture(autouse=True, params=["specialised", "primitives_only"])
+def specialisations(request):
+    """The matrix twice: as the calls run, and with every specialisation off (the core's
+    formulas over the required primitives alone)."""
+    with specialise.primitives_only(request.param == "primitives_only"):
+        yield
 
 
 def lengths(kind, batch, n_queries, n_keys, rng):
@@ -129,9 +138,9 @@ def test_additive_scores_in_blocks_equal_the_reference(
     bk, dtype, mask, hiddens_innermost, activation, monkeypatch
 ):
     """Large inputs are scored in blocks of queries (bounded memory); force tiny blocks here,
-    in both feature layouts (each adapter uses one, see strategies.additive_scores_in_blocks)."""
+    in both feature layouts (each adapter uses one, see fast_paths.additive_scores_in_blocks)."""
     supported(bk, dtype)
-    from .test_strategies import force_activation
+    from .test_specialisations import force_activation
 
     force_activation(bk, monkeypatch, activation)  # tanh(z) or 2 sigmoid(2z) - 1, forced
     monkeypatch.setattr(bk.module.ops, "hiddens_innermost", hiddens_innermost)

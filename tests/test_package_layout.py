@@ -243,3 +243,61 @@ def test_the_name_rule():
     assert _allowed([(f"{NAME}.backends.torch", "torch"), (f"{NAME}.layers.torch", "torch")])
     assert not _allowed([(f"{NAME}.backends.torch", "torch"), (f"{NAME}.check.torch", "torch")])
     assert not _allowed([(f"{NAME}.check.native", "native"), (f"{NAME}.layers.native", "native")])
+
+
+# -- the specialisations: the table of docs/architecture.md, specialise.ORDER and the adapters --
+
+
+def _offered_by_adapters() -> dict:
+    """specialisation -> the backends whose Ops subclass defines it (read from the source:
+    no framework is imported)."""
+    from multiattn.specialisations import OFFERS
+
+    offered: dict = {name: set() for name in OFFERS}
+    for path in sorted((PACKAGE / "backends").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name in offered:
+                        offered[item.name].add(path.stem)
+    return offered
+
+
+def _specialisations_table() -> list:
+    text = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Specialisations") :]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0].startswith("`"):
+            rows.append((cells[0].strip("`"), cells[1].strip("`"), cells[2]))
+    return rows
+
+
+def test_the_specialisations_table_matches_the_code():
+    import inspect
+
+    from multiattn import specialise
+    from multiattn.specialisations import NOT_OFFERED, OFFERS, Specialisations
+
+    from .test_specialisations import OFFERED_BY
+
+    order = [(step, name) for step, names in specialise.ORDER.items() for name in names]
+    assert sorted(name for _, name in order) == sorted(OFFERS) == sorted(specialise._ASK)
+    rows = _specialisations_table()
+    assert [(step, name) for step, name, _ in rows] == order, (
+        "docs/architecture.md's table is not ORDER's order"
+    )
+    adapters = _offered_by_adapters()
+    for _, name, offered_by in rows:
+        default_offers = "return NOT_OFFERED" not in inspect.getsource(getattr(Specialisations, name))
+        if offered_by == "all (the default)":
+            assert default_offers and not adapters[name], f"{name}: the table says every backend by default"
+        else:
+            listed = set(offered_by.split(", "))
+            assert not default_offers and listed == adapters[name], (
+                f"{name}: the table says {sorted(listed)}, the adapters define it in {sorted(adapters[name])}"
+            )
+            assert set(OFFERED_BY[name]) == listed, f"{name}: tests/test_specialisations.py's OFFERED_BY differs"
+    assert NOT_OFFERED

@@ -21,8 +21,8 @@ def test_the_check_finds_a_misspelled_hook_and_a_missing_primitive(bk):
     adapter = type(bk.module.ops)
 
     class Misspelled(adapter):
-        def softmax_own(self, x):  # softmax_owned, misspelled: it would never run
-            return x
+        def attend_fuse(self, *inputs):  # attend_fused, misspelled: it would never be offered
+            return "declined"
 
     class Incomplete(Ops):
         name = "incomplete"
@@ -31,7 +31,7 @@ def test_the_check_finds_a_misspelled_hook_and_a_missing_primitive(bk):
             return x.shape
 
     assert adapter_problems(Misspelled) == [
-        "Misspelled.softmax_own is not a member of protocol.Ops (misspelled?)"
+        "Misspelled.attend_fuse is not a member of protocol.Ops (misspelled?)"
     ]
     problems = adapter_problems(Incomplete)
     assert "Incomplete lacks the required primitive softmax" in problems

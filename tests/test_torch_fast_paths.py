@@ -432,7 +432,7 @@ def test_visible_keys_never_read_the_padding(visible, poison):
 @pytest.mark.parametrize("poison", [np.inf, np.nan])
 def test_rows_without_a_finite_visible_score_fall_back_to_the_math(visible, monkeypatch, poison):
     # visible scores all -inf: the math gives exact zeros where the loop's softmax gives NaN;
-    # the output is not finite, so the strategy answers as the core does
+    # the output is not finite, so the specialisation declines after running and the core answers
     import torch
 
     from multiattn import core, specialise
@@ -473,7 +473,9 @@ def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():
         assert not _offers_visible_keys(q[:, :4], k[:, :4], v[:, :4], lens)  # 16 per sequence
         assert not _offers_visible_keys(q.half(), k.half(), v.half(), lens)  # float32 math
         assert not _offers_visible_keys(q, k, v, lens[:, None].expand(2, 512))  # per query
-        assert not _offers_visible_keys(q, k, v, torch.tensor([500, 512]))  # hides 1% of the keys: not worth it
+        assert not _offers_visible_keys(
+            q, k, v, torch.tensor([500, 512])
+        )  # hides 1% of the keys: not worth it
     assert not _offers_visible_keys(q.clone().requires_grad_(), k, v, lens)  # out= has no backward
     with torch.no_grad():
         # torch.func.vmap wraps its tensors and refuses out=: declined, the other paths run
@@ -493,4 +495,6 @@ def test_the_default_protocol_declines_the_visible_keys_path():
 
     m = _module()
     big = torch.zeros(2, 512, 8)
-    assert isinstance(Ops.attend_over_visible_keys(m.ops, big, big, big, Masks(torch.tensor([1, 2])), 1.0, None, True), str)
+    assert isinstance(
+        Ops.attend_over_visible_keys(m.ops, big, big, big, Masks(torch.tensor([1, 2])), 1.0, None, True), str
+    )

@@ -14,7 +14,8 @@ import numpy as np
 
 from .. import fast_paths
 from ..functional import bind
-from ..protocol import Ops, layer_exports, per_row
+from ..protocol import layer_exports
+from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
@@ -22,73 +23,21 @@ DTYPE_NOTES: dict = {}
 _HALF = (jnp.float16, jnp.bfloat16)
 
 
-class JaxOps(Ops):
+class JaxOps(NumpyLikeOps):
     name = "jax"
+    xp = jnp
     # XLA fuses the sum, tanh and w_v reduction of the additive features best this way
     hiddens_innermost = True
-
-    def shape(self, x):
-        return tuple(x.shape)
 
     def dtype_kind(self, x):
         if jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16's numpy kind is 'V'
             return "f"
         return np.dtype(x.dtype).kind
 
-    def zeros(self, shape, like):
-        return jnp.zeros(shape, dtype=like.dtype)
-
-    def any(self, mask, axis):
-        return jnp.any(mask, axis=axis, keepdims=True)
-
-    def expand_dims(self, x, axis):
-        return jnp.expand_dims(x, axis)
-
-    def matrix_transpose(self, x):
-        return jnp.swapaxes(x, -1, -2)
-
-    def concat(self, xs, axis):
-        return jnp.concatenate(xs, axis=axis)
-
-    def matmul(self, a, b):
-        return jnp.matmul(a, b)
-
-    def matmul_t(self, a, b):
-        return jnp.matmul(a, jnp.swapaxes(b, -1, -2))
-
-    def tanh(self, x):
-        return jnp.tanh(x)
-
     def softmax(self, x):
         if x.dtype in _HALF:
             return jax.nn.softmax(x.astype(jnp.float32), axis=-1).astype(x.dtype)
         return jax.nn.softmax(x, axis=-1)
-
-    def length_mask(self, x, lens, axis=-1):
-        return jnp.arange(x.shape[axis]) < per_row(lens)
-
-    def causal_mask(self, n_queries, n_keys, like):
-        return jnp.tri(n_queries, n_keys, dtype=bool)
-
-    def logical_and(self, a, b):
-        return jnp.logical_and(a, b)
-
-    def split_heads(self, x, num_heads):
-        batch, n, width = x.shape
-        return x.reshape(batch, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
-
-    def merge_heads(self, x):
-        batch, heads, n, width = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
-
-    def where(self, mask, x, fill):
-        return jnp.where(mask, x, jnp.asarray(fill, dtype=x.dtype))
-
-    def lowest(self, x):
-        return float(jnp.finfo(x.dtype).min)
-
-    def cast(self, x, like):
-        return x.astype(like.dtype)
 
     def map_query_blocks(self, score_block, queries, step):
         # Under jit a Python loop's blocks are all alive at once in XLA; lax.map runs one

@@ -15,17 +15,17 @@ import numpy as np
 
 from .. import fast_paths
 from ..functional import bind
-from ..protocol import Ops, layer_exports
+from ..protocol import layer_exports
+from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
 
 
-class MlxOps(Ops):
+class MlxOps(NumpyLikeOps):
     name = "mlx"
-
-    def shape(self, x):
-        return tuple(x.shape)
+    xp = mx
+    bool_dtype = mx.bool_
 
     def dtype_kind(self, x):
         dtype = x.dtype
@@ -37,30 +37,6 @@ class MlxOps(Ops):
             return "f"
         return "u" if mx.issubdtype(dtype, mx.unsignedinteger) else "i"
 
-    def zeros(self, shape, like):
-        return mx.zeros(shape, dtype=like.dtype)
-
-    def any(self, mask, axis):
-        return mx.any(mask, axis=axis, keepdims=True)
-
-    def expand_dims(self, x, axis):
-        return mx.expand_dims(x, axis)
-
-    def matrix_transpose(self, x):
-        return mx.swapaxes(x, -1, -2)
-
-    def concat(self, xs, axis):
-        return mx.concatenate(xs, axis=axis)
-
-    def matmul(self, a, b):
-        return mx.matmul(a, b)
-
-    def matmul_t(self, a, b):
-        return mx.matmul(a, mx.swapaxes(b, -1, -2))
-
-    def tanh(self, x):
-        return mx.tanh(x)
-
     def softmax(self, x):
         return mx.softmax(x, axis=-1, precise=True)  # precise: half types accumulate in float32
 
@@ -68,28 +44,8 @@ class MlxOps(Ops):
         rows = lens.shape + (1, 1) if lens.ndim == 1 else lens.shape + (1,)
         return mx.arange(x.shape[axis]) < lens.reshape(rows)  # a reshape builds faster than [:, None]
 
-    def causal_mask(self, n_queries, n_keys, like):
-        return mx.tri(n_queries, n_keys, dtype=mx.bool_)
-
-    def logical_and(self, a, b):
-        return mx.logical_and(a, b)
-
-    def split_heads(self, x, num_heads):
-        batch, n, width = x.shape
-        return x.reshape(batch, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
-
-    def merge_heads(self, x):
-        batch, heads, n, width = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
-
     def where(self, mask, x, fill):
         return mx.where(mask, x, fill)  # a Python float is weakly typed: x's dtype stays
-
-    def lowest(self, x):
-        return float(mx.finfo(x.dtype).min)
-
-    def cast(self, x, like):
-        return x if x.dtype == like.dtype else x.astype(like.dtype)
 
     def settle(self, x):
         # mlx is lazy: without this one graph holds every additive block's features at once.

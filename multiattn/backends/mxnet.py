@@ -13,8 +13,8 @@ from typing import Any, Optional
 import numpy as onp
 from mxnet import autograd, np, npx
 
-from .._machine import measured_faster
 from .. import fast_paths
+from .._machine import measured_faster
 from ..functional import bind
 from ..protocol import Ops, layer_exports, per_row
 

@@ -11,44 +11,22 @@ import numpy as np
 
 from .. import fast_paths
 from ..functional import bind
-from ..protocol import Ops, layer_exports, per_row
+from ..protocol import layer_exports
+from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")
 DTYPE_NOTES = {"bfloat16": "numpy has no bfloat16 dtype"}
 
 
-class NumpyOps(Ops):
+class NumpyOps(NumpyLikeOps):
     name = "numpy"
-
-    def shape(self, x):
-        return x.shape
+    xp = np
 
     def dtype_kind(self, x):
         return x.dtype.kind
 
-    def zeros(self, shape, like):
-        return np.zeros(shape, dtype=like.dtype)
-
-    def any(self, mask, axis):
-        return np.any(mask, axis=axis, keepdims=True)
-
-    def expand_dims(self, x, axis):
-        return np.expand_dims(x, axis)
-
     def matrix_transpose(self, x):
         return np.ascontiguousarray(np.swapaxes(x, -1, -2))  # no copy where an axis has size 1
-
-    def concat(self, xs, axis):
-        return np.concatenate(xs, axis=axis)
-
-    def matmul(self, a, b):
-        return np.matmul(a, b)
-
-    def matmul_t(self, a, b):
-        return np.matmul(a, np.swapaxes(b, -1, -2))
-
-    def tanh(self, x):
-        return np.tanh(x)
 
     def tanh_of_sum(self, a, b, buffers):
         # no autograd: one buffer for all additive blocks, written in place
@@ -65,30 +43,6 @@ class NumpyOps(Ops):
         # half types in float32; a copy either way, so the steps can run in place
         work = x.astype(np.float32) if x.dtype.itemsize < 4 else x.copy()
         return _softmax_in_place(work).astype(x.dtype, copy=False)
-
-
-    def length_mask(self, x, lens, axis=-1):
-        return np.arange(x.shape[axis]) < per_row(lens)
-
-    def causal_mask(self, n_queries, n_keys, like):
-        return np.tri(n_queries, n_keys, dtype=bool)
-
-    def logical_and(self, a, b):
-        return np.logical_and(a, b)
-
-    def split_heads(self, x, num_heads):
-        batch, n, width = x.shape
-        return x.reshape(batch, n, num_heads, width // num_heads).transpose(0, 2, 1, 3)
-
-    def merge_heads(self, x):
-        batch, heads, n, width = x.shape
-        return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
-
-    def where(self, mask, x, fill):
-        return np.where(mask, x, np.asarray(fill, dtype=x.dtype))
-
-    def lowest(self, x):
-        return float(np.finfo(x.dtype).min)
 
     def cast(self, x, like):
         return x.astype(like.dtype, copy=False)
@@ -114,7 +68,9 @@ class NumpyOps(Ops):
         )
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
-        return fast_paths.offer_additive_over_visible_keys(self, q_hidden, k_hidden, w_v, masks, read=np.ndarray.tolist)
+        return fast_paths.offer_additive_over_visible_keys(
+            self, q_hidden, k_hidden, w_v, masks, read=np.ndarray.tolist
+        )
 
     def _softmax_owned(self, x):
         # the core's own scores: the steps run in x, no (B, Q, K) temporaries to page in

@@ -48,7 +48,7 @@ _HALF = (tf.float16, tf.bfloat16)
 
 class TensorFlowOps(Ops):
     name = "tensorflow"
-    # additive features in 16 MB float32 blocks: each eager op has a high fixed cost
+    # additive features in blocks larger than the default: each eager op has a high fixed cost
     feature_block_elements = 1 << 22
 
     def shape(self, x):

@@ -245,7 +245,6 @@ class TorchOps(Ops):
         return out, weights
 
 
-
 def _sdpa(queries, keys, values, mask, scale):
     """SDPA for the core's (B, [H,] n, d) inputs, mask None or boolean (B, [H|1,] 1|Q, K)."""
     if queries.dim() == 4:  # heads already

@@ -182,7 +182,9 @@ class AttentionCall:
     ):
         """(output, weights or None) of dot-product attention."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        masks = validation.dot_product_call(self._ops, queries, keys, values, valid_lens, attention_mask, causal)
+        masks = validation.dot_product_call(
+            self._ops, queries, keys, values, valid_lens, attention_mask, causal
+        )
         return core.dot_product_attention(
             self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights
         )
@@ -215,7 +217,16 @@ class AttentionCall:
         self._check(queries, keys, values, valid_lens, attention_mask)
         sizes = (self.query_size, self.key_size, self.value_size)
         masks = validation.multi_head_call(
-            self._ops, queries, keys, values, valid_lens, attention_mask, causal, self.num_heads, self.num_hiddens, sizes
+            self._ops,
+            queries,
+            keys,
+            values,
+            valid_lens,
+            attention_mask,
+            causal,
+            self.num_heads,
+            self.num_hiddens,
+            sizes,
         )
         return core.multi_head_attention(
             self._ops, queries, keys, values, masks,

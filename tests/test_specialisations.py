@@ -85,7 +85,9 @@ def test_entry_points_equal_the_formula(bk, dtype, mask):
         math_out, _ = formula(core.dot_product_attention, ops, t["q"], t["k"], t["v"], masks)
         _both(bk, got, math_out, want, dtype)
     weights = dict(
-        project_q=lambda q: ops.matmul_t(q, t["W_q"]), project_k=lambda k: ops.matmul_t(k, t["W_k"]), w_v=t["w_v"]
+        project_q=lambda q: ops.matmul_t(q, t["W_q"]),
+        project_k=lambda k: ops.matmul_t(k, t["W_k"]),
+        w_v=t["w_v"],
     )
     got, got_w = core.additive_attention(ops, t["q"], t["k"], t["v"], masks, **weights)
     math_out, math_w = formula(core.additive_attention, ops, t["q"], t["k"], t["v"], masks, **weights)
@@ -100,7 +102,9 @@ def test_entry_points_equal_the_formula(bk, dtype, mask):
 def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, exact):
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
     ops, masks = bk.module.ops, Masks(lens_t)
-    assert isinstance(ops.masked_softmax_in_scores_memory(t["X"], None, masks, False, exact), str)  # not the caller's
+    assert isinstance(
+        ops.masked_softmax_in_scores_memory(t["X"], None, masks, False, exact), str
+    )  # not the caller's
     offer = ops.masked_softmax_in_scores_memory(copy(bk, t["X"]), None, masks, True, exact)
     if not _offered(bk, "masked_softmax_in_scores_memory", offer):
         return
@@ -131,7 +135,9 @@ def test_padding_written_directly(bk, dtype, poisoned, monkeypatch):
     if not _offered(bk, "masked_softmax_writing_padding", offer):
         return
     weights, visible_values = offer()
-    _both(bk, weights, formula(core.masked_softmax, ops, t["X"], masks), ref.masked_softmax(a["X"], lens), dtype)
+    _both(
+        bk, weights, formula(core.masked_softmax, ops, t["X"], masks), ref.masked_softmax(a["X"], lens), dtype
+    )
     assert_close(bk, t["X"], a["X"], dtype)  # not written
     got = bk.numpy(visible_values).astype(np.float64)
     for b, n in enumerate(host):
@@ -208,7 +214,9 @@ def test_additive_features_over_the_visible_keys(bk, dtype, activation, monkeypa
     got, got_w = bk.module.additive_attention(t["q"], t["k"], t["v"], lens_t, **weights, return_weights=True)
     assert runs == ([[ref.valid_count(n, K) for n in lens]] if bk.name in READ_ADDITIVE_KEY_LENGTHS else [])
     want, want_w = ref.additive_attention(a["q"], a["k"], a["v"], lens, a["W_q"], a["W_k"], a["w_v"])
-    math_out, math_w = formula(bk.module.additive_attention, t["q"], t["k"], t["v"], lens_t, **weights, return_weights=True)
+    math_out, math_w = formula(
+        bk.module.additive_attention, t["q"], t["k"], t["v"], lens_t, **weights, return_weights=True
+    )
     _both(bk, got, math_out, want, dtype)
     _both(bk, got_w, math_w, want_w, dtype)
 
@@ -247,7 +255,9 @@ def _masks(bk, kind, rng, heads=False):
         mask = rng.random((B, 2, Q, K) if heads else (B, Q, K)) < 0.6
         mask[0, ..., 1, :] = False  # a fully masked row
     causal = kind in ("causal", "all")
-    tensors = Masks(None if lens is None else bk.tensor(lens), None if mask is None else bk.tensor(mask), causal)
+    tensors = Masks(
+        None if lens is None else bk.tensor(lens), None if mask is None else bk.tensor(mask), causal
+    )
     return tensors, dict(valid_lens=lens, attention_mask=mask, causal=causal)
 
 
@@ -293,7 +303,13 @@ def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatc
     if not heads:
         X = ops.matmul_t(q, k)
         want_sm = ref.masked_softmax(bk.numpy(X).astype(np.float64), **np_masks)
-        _both(bk, core.masked_softmax(ops, X, masks), formula(core.masked_softmax, ops, X, masks), want_sm, dtype)
+        _both(
+            bk,
+            core.masked_softmax(ops, X, masks),
+            formula(core.masked_softmax, ops, X, masks),
+            want_sm,
+            dtype,
+        )
         offer = ops.masked_softmax_in_scores_memory(copy(bk, X), None, masks, True, True)
         if _offered(bk, "masked_softmax_in_scores_memory", offer):
             assert_close(bk, offer()[0], want_sm, dtype)
