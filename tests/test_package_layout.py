@@ -299,5 +299,5 @@ def test_the_specialisations_table_matches_the_code():
             assert not default_offers and listed == adapters[name], (
                 f"{name}: the table says {sorted(listed)}, the adapters define it in {sorted(adapters[name])}"
             )
-            assert set(OFFERED_BY[name]) == listed, f"{name}: tests/test_specialisations.py's OFFERED_BY differs"
+            assert set(OFFERED_BY[name]) == listed, f"{name}: OFFERED_BY of the tests differs"
     assert NOT_OFFERED
