@@ -37,18 +37,50 @@ def clip_lengths(raw: list, n_keys: int) -> List[Any]:
     ]
 
 
-def hiding_enough(raw: Optional[list], n_keys: int, max_share: float) -> Any:
+def hiding_enough(raw: list, n_keys: int, max_share: float) -> Any:
     """The clipped lengths where they hide at least ``1 - max_share`` of the keys, else the
     reason they do not."""
-    if raw is None:
-        return "the lengths are not readable on the host here"
     lengths = clip_lengths(raw, n_keys)
     if sum(lengths) > max_share * n_keys * len(lengths):
         return f"the lengths show more than {max_share:.0%} of the keys"
     return lengths
 
 
+def lengths_per_sequence(masks: Masks, read: Callable[[Tensor], Optional[list]]) -> Any:
+    """One length per sequence as Python numbers, read by the adapter's ``read(lens)`` (None
+    where it may not read them), else the reason there are none."""
+    if not masks.one_length_per_sequence:
+        return "not one length per sequence"
+    raw = read(masks.valid_lens)
+    return "the lengths are not readable on the host here" if raw is None else raw
+
+
 # -- the masked softmax with the padding written directly ------------------------------------
+
+
+def offer_writing_padding(
+    ops: Ops,
+    scores: Tensor,
+    values: Optional[Tensor],
+    owned: bool,
+    lengths: Any,
+    *,
+    copy: Callable[[Tensor], Tensor],
+    softmax: Callable[[Tensor], Tensor],
+    fill: Optional[Callable[..., Tensor]] = None,
+    zero_rows: Optional[Callable[[Tensor, list], Tensor]] = None,
+) -> Any:
+    """The offer of ``softmax_writing_padding`` from the lengths an adapter read (or the
+    reason it could not); the caller's scores are copied first.  fill and zero_rows: slice
+    assignment unless the adapter has its own kernels."""
+    if isinstance(lengths, str):
+        return lengths
+    lengths = clip_lengths(lengths, ops.shape(scores)[-1])
+    scores = scores if owned else copy(scores)
+    return lambda: softmax_writing_padding(
+        ops, scores, values, lengths, fill=fill or fill_by_slices, softmax=softmax,
+        zero_rows=zero_rows or (lambda v, n: zero_rows_by_slices(v, n, copy)),
+    )  # fmt: skip
 
 
 def softmax_writing_padding(
@@ -106,6 +138,23 @@ def zero_rows_by_slices(values: Tensor, lengths: list, copy: Callable[[Tensor], 
 
 
 # -- the masked softmax in the scores' memory ----------------------------------------------
+
+
+def offer_in_scores_memory(
+    ops: Ops,
+    scores: Tensor,
+    values: Optional[Tensor],
+    masks: Masks,
+    owned: bool,
+    exact: bool,
+    *,
+    where: Callable[[Tensor, Tensor, float], Tensor],
+    softmax: Callable[[Tensor], Tensor],
+) -> Any:
+    """The offer of ``softmax_in_scores_memory`` with the adapter's in-place passes."""
+    if not owned:
+        return "the caller's scores are never written"
+    return lambda: softmax_in_scores_memory(ops, scores, values, masks, exact, where=where, softmax=softmax)
 
 
 def softmax_in_scores_memory(
@@ -201,25 +250,19 @@ ADDITIVE_VISIBLE_KEYS_MAX_SHARE = 0.85
 
 
 def offer_additive_over_visible_keys(
-    ops: Ops,
-    q_hidden: Tensor,
-    k_hidden: Tensor,
-    w_v: Tensor,
-    masks: Masks,
-    read: Callable[[Tensor], Optional[list]],
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks, read: Callable[[Tensor], Any]
 ) -> Any:
     """The offer of ``additive_scores_over_visible_keys`` for an adapter whose ``read(lens)``
     gives the lengths (B,) as Python numbers (None where it may not read them)."""
-    if not masks.one_length_per_sequence:
-        return "not one length per sequence"
     _, n_queries, hiddens = ops.shape(q_hidden)
     n_keys = ops.shape(k_hidden)[1]
-    if (
-        None in (n_queries, hiddens, n_keys)
-        or n_queries * hiddens * n_keys < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES
-    ):
+    features = None if None in (n_queries, hiddens, n_keys) else n_queries * hiddens * n_keys
+    if features is None or features < ADDITIVE_VISIBLE_KEYS_MIN_FEATURES:
         return "too few features per sequence for the loop to pay"
-    lengths = hiding_enough(read(masks.valid_lens), n_keys, ADDITIVE_VISIBLE_KEYS_MAX_SHARE)
+    lengths = lengths_per_sequence(masks, read)
+    if isinstance(lengths, str):
+        return lengths
+    lengths = hiding_enough(lengths, n_keys, ADDITIVE_VISIBLE_KEYS_MAX_SHARE)
     if isinstance(lengths, str):
         return lengths
     return lambda: additive_scores_over_visible_keys(ops, q_hidden, k_hidden, w_v, lengths)

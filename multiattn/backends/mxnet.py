@@ -127,19 +127,15 @@ class MxnetOps(Ops):
             return "not lengths alone"
         if scores.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
             return "float64 (the sequence mask's fill is float32)"
-        raw = masks.valid_lens.asnumpy().astype("float64").tolist()
-        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
-        scores = scores if owned else scores.copy()
-        return lambda: fast_paths.softmax_writing_padding(
-            self, scores, values, lengths, fill=self._fill_padding, softmax=self._softmax_owned,
-            zero_rows=self._zero_padded_rows,
+        lengths = masks.valid_lens.asnumpy().astype("float64").tolist()
+        return fast_paths.offer_writing_padding(
+            self, scores, values, owned, lengths, copy=lambda x: x.copy(), softmax=self._softmax_owned,
+            fill=self._fill_padding, zero_rows=self._zero_padded_rows,
         )  # fmt: skip
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
-        if not owned:
-            return "the caller's scores are never written"
-        return lambda: fast_paths.softmax_in_scores_memory(
-            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        return fast_paths.offer_in_scores_memory(
+            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
         )
 
     def _fill_padding(self, x, lengths, fill, uniform=False):

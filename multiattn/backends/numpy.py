@@ -51,20 +51,14 @@ class NumpyOps(NumpyLikeOps):
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
         # host data: writing only the padding beats two masked passes at every size measured
-        if not masks.one_length_per_sequence:
-            return "not one length per sequence"
-        lengths = fast_paths.clip_lengths(masks.valid_lens.tolist(), scores.shape[-1])
-        scores = scores if owned else scores.copy()
-        return lambda: fast_paths.softmax_writing_padding(
-            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
-            zero_rows=_zero_padded_rows,
-        )  # fmt: skip
+        lengths = fast_paths.lengths_per_sequence(masks, np.ndarray.tolist)
+        return fast_paths.offer_writing_padding(
+            self, scores, values, owned, lengths, copy=np.copy, softmax=self._softmax_owned
+        )
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
-        if not owned:
-            return "the caller's scores are never written"
-        return lambda: fast_paths.softmax_in_scores_memory(
-            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        return fast_paths.offer_in_scores_memory(
+            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
         )
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
@@ -77,10 +71,6 @@ class NumpyOps(NumpyLikeOps):
         if x.dtype.itemsize < 4 or not x.flags.writeable:
             return self.softmax(x)
         return _softmax_in_place(x)
-
-
-def _zero_padded_rows(values, lengths):
-    return fast_paths.zero_rows_by_slices(values, lengths, np.copy)
 
 
 def _softmax_in_place(x: np.ndarray) -> np.ndarray:

@@ -151,23 +151,16 @@ class PaddleOps(Ops):
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
         # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
         # under autograd (softmax's backward needs its output as it was).
-        if not masks.one_length_per_sequence:
-            return "not one length per sequence"
-        raw = _cpu_lengths(scores, masks.valid_lens) if _untracked(scores) else None
-        if raw is None:
-            return "autograd records, a static graph or a device"
-        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
-        scores = scores if owned else scores.clone()
-        return lambda: fast_paths.softmax_writing_padding(
-            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
-            zero_rows=_zero_padded_rows,
-        )  # fmt: skip
+        if not _untracked(scores):
+            return "autograd records the scores"
+        lengths = fast_paths.lengths_per_sequence(masks, lambda lens: _cpu_lengths(scores, lens))
+        return fast_paths.offer_writing_padding(
+            self, scores, values, owned, lengths, copy=paddle.clone, softmax=self._softmax_owned
+        )
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
-        if not owned:
-            return "the caller's scores are never written"
-        return lambda: fast_paths.softmax_in_scores_memory(
-            self, scores, values, masks, exact, where=self.where, softmax=self._softmax_owned
+        return fast_paths.offer_in_scores_memory(
+            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
         )
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
@@ -181,10 +174,6 @@ class PaddleOps(Ops):
             if arg != "valid_lens" and x is not None and x.dtype in _HALF and x.place.is_cpu_place():
                 kernels = _NO_HALF.format("matmul, tanh and where")
                 raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {kernels}; use float32 (or a GPU)")
-
-
-def _zero_padded_rows(values, lengths):
-    return fast_paths.zero_rows_by_slices(values, lengths, paddle.clone)
 
 
 def _cpu_lengths(x, lens) -> Optional[list]:

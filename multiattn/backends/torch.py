@@ -175,9 +175,12 @@ class TorchOps(Ops):
             return "too few scores per sequence for the loop to pay"
         if queries.dtype not in _FULL or any(map(_transformed, (queries, keys, values, masks.valid_lens))):
             return "half types (float32 math) or a vmap/grad transform (no out=)"
-        lengths = fast_paths.hiding_enough(
-            _lengths_on_host(masks.valid_lens, queries, keys, values), keys.shape[-2], VISIBLE_KEYS_MAX_SHARE
+        lengths = fast_paths.lengths_per_sequence(
+            masks, lambda lens: _lengths_on_host(lens, queries, keys, values)
         )
+        if isinstance(lengths, str):
+            return lengths
+        lengths = fast_paths.hiding_enough(lengths, keys.shape[-2], VISIBLE_KEYS_MAX_SHARE)
         if isinstance(lengths, str):
             return lengths
 
@@ -197,24 +200,15 @@ class TorchOps(Ops):
         return lambda: fast_paths.fused_attention(self, _sdpa, queries, keys, values, masks, scale)
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
-        if not masks.one_length_per_sequence:
-            return "not one length per sequence"
         # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
-        raw = _sliceable_lengths(scores, masks.valid_lens)
-        if raw is None:
-            return "too few scores per sequence, or the lengths are not readable on the host"
-        lengths = fast_paths.clip_lengths(raw, scores.shape[-1])
-        scores = scores if owned else scores.clone()
-        return lambda: fast_paths.softmax_writing_padding(
-            self, scores, values, lengths, fill=fast_paths.fill_by_slices, softmax=self._softmax_owned,
-            zero_rows=_zero_padded_rows,
-        )  # fmt: skip
+        lengths = fast_paths.lengths_per_sequence(masks, lambda lens: _sliceable_lengths(scores, lens))
+        return fast_paths.offer_writing_padding(
+            self, scores, values, owned, lengths, copy=torch.clone, softmax=self._softmax_owned
+        )
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
-        if not owned:
-            return "the caller's scores are never written"
-        return lambda: fast_paths.softmax_in_scores_memory(
-            self, scores, values, masks, exact, where=self._where_owned, softmax=self._softmax_owned
+        return fast_paths.offer_in_scores_memory(
+            self, scores, values, masks, owned, exact, where=self._where_owned, softmax=self._softmax_owned
         )
 
     def _attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
@@ -258,10 +252,6 @@ def _sdpa(queries, keys, values, mask, scale):
         scale=scale,
     )
     return out.squeeze(1)
-
-
-def _zero_padded_rows(values, lengths):
-    return fast_paths.zero_rows_by_slices(values, lengths, torch.clone)
 
 
 def _fused_over_visible_keys(queries, keys, values, lengths, scale):
