@@ -62,10 +62,11 @@ def _both(bk, got, math_result, want, dtype):
     assert_close(bk, math_result, want, dtype)
 
 
-def _offered(bk, name, offer):
-    """Whether the offer is a function; a backend of OFFERED_BY[name] must make it."""
+def _offered(bk, name, offer, may_decline=False):
+    """Whether the offer is a function; a backend of OFFERED_BY[name] must make it (unless
+    it may decline these inputs, as the table of docs/architecture.md says)."""
     if isinstance(offer, str):
-        assert bk.name not in OFFERED_BY[name], f"{bk.name} declined {name}: {offer}"
+        assert may_decline or bk.name not in OFFERED_BY[name], f"{bk.name} declined {name}: {offer}"
         return False
     return True
 
@@ -132,7 +133,8 @@ def test_padding_written_directly(bk, dtype, poisoned, monkeypatch):
     v = bk.tensor(values, dtype)
     masks = Masks(lens_t)
     offer = ops.masked_softmax_writing_padding(t["X"], v, masks, False, True)  # the caller's X: a copy
-    if not _offered(bk, "masked_softmax_writing_padding", offer):
+    float64_fill = bk.name == "mxnet" and dtype == "float64"  # its sequence mask fills in float32
+    if not _offered(bk, "masked_softmax_writing_padding", offer, may_decline=float64_fill):
         return
     weights, visible_values = offer()
     _both(
