@@ -156,17 +156,36 @@ def masked_weights(
     ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool = True
 ) -> tuple[Tensor, Optional[Tensor]]:
     """(the masked softmax of scores, values with the rows no query may see set to 0).
-    owned: the scores are the core's own, and may be written.  exact=False: the weights of a
-    row with nothing visible may be anything where the output of that row is still 0 (one
-    length per sequence: its visible values are none, all zeroed)."""
+    owned: the scores are the core's own, and may be written.  exact=False: only the output
+    is wanted, so with one length per sequence a row with nothing visible may keep any
+    weights: its sequence's values are all hidden, hence zeroed, and its output still 0."""
     done = specialise.run(ops, "masked_softmax", scores, values, masks, owned, exact)
     if done is not None:
         return done
-    mask = visibility(ops, masks, scores)
-    weights = softmax_where(ops, scores, mask)
-    if mask is None or values is None:
-        return weights, values
-    return weights, visible_values(ops, values, mask)
+    return softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=ops.softmax)
+
+
+def softmax_where(
+    ops: Ops,
+    X: Tensor,
+    values: Optional[Tensor],
+    masks: Masks,
+    exact: bool = True,
+    *,
+    where: Callable[[Tensor, Tensor, float], Tensor],
+    softmax: Callable[[Tensor], Tensor],
+) -> tuple[Tensor, Optional[Tensor]]:
+    """``masked_weights`` by its formula, with the ``where`` and ``softmax`` given (the
+    primitives, or an adapter's passes that write into scores the core owns).  The fill is
+    the dtype's lowest finite value, not -inf (d2l: -1e6), so a fully masked row stays free
+    of NaN; the second ``where`` makes it all zeros."""
+    mask = visibility(ops, masks, X)
+    if mask is None:
+        return softmax(X), values
+    weights = softmax(where(mask, X, ops.lowest(X)))
+    if exact or not masks.one_length_per_sequence:
+        weights = where(mask, weights, 0.0)
+    return weights, values if values is None else visible_values(ops, values, mask)
 
 
 def visibility(
@@ -204,16 +223,6 @@ def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
             mask, mask_rank = ops.expand_dims(mask, 0), mask_rank + 1
         combined = mask if combined is None else ops.logical_and(combined, mask)
     return combined
-
-
-def softmax_where(ops: Ops, X: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """The masked softmax with the visibility mask given (None: all visible).  The fill is
-    the dtype's lowest finite value, not -inf (d2l: -1e6), so a fully masked row stays free
-    of NaN; the second ``where`` makes it all zeros."""
-    if mask is None:
-        return ops.softmax(X)
-    weights = ops.softmax(ops.where(mask, X, ops.lowest(X)))
-    return ops.where(mask, weights, 0.0)
 
 
 def visible_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:

@@ -151,31 +151,11 @@ def offer_in_scores_memory(
     where: Callable[[Tensor, Tensor, float], Tensor],
     softmax: Callable[[Tensor], Tensor],
 ) -> Any:
-    """The offer of ``softmax_in_scores_memory`` with the adapter's in-place passes."""
+    """The offer of ``core.softmax_where`` with the adapter's passes that write into the
+    scores (and the weights), which the core owns."""
     if not owned:
         return "the caller's scores are never written"
-    return lambda: softmax_in_scores_memory(ops, scores, values, masks, exact, where=where, softmax=softmax)
-
-
-def softmax_in_scores_memory(
-    ops: Ops,
-    scores: Tensor,
-    values: Optional[Tensor],
-    masks: Masks,
-    exact: bool,
-    *,
-    where: Callable[[Tensor, Tensor, float], Tensor],
-    softmax: Callable[[Tensor], Tensor],
-) -> tuple[Tensor, Optional[Tensor]]:
-    """``core.masked_weights`` with ``where`` and ``softmax`` allowed to write into the
-    scores, which the core owns.  exact=False skips the final zeroing (``core.masked_weights``)."""
-    mask = core.visibility(ops, masks, scores)
-    if mask is None:
-        return softmax(scores), values
-    weights = softmax(where(mask, scores, ops.lowest(scores)))
-    if exact or not masks.one_length_per_sequence:
-        weights = where(mask, weights, 0.0)
-    return weights, values if values is None else core.visible_values(ops, values, mask)
+    return lambda: core.softmax_where(ops, scores, values, masks, exact, where=where, softmax=softmax)
 
 
 # -- a fused kernel ----------------------------------------------------------------------------

@@ -67,7 +67,7 @@ class Specialisations:
         self, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool
     ) -> Offer:
         """The core's formula with each pass writing into the scores the core owns
-        (``fast_paths.softmax_in_scores_memory``)."""
+        (``fast_paths.offer_in_scores_memory``)."""
         return NOT_OFFERED
 
     # -- step ``additive_scores`` ---------------------------------------------------------------

@@ -30,18 +30,7 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
-from .. import (
-    _registry,
-    core,
-    fast_paths,
-    functional,
-    layers,
-    masks,
-    protocol,
-    specialisations,
-    specialise,
-    validation,
-)  # noqa: E402
+from .. import fast_paths  # noqa: E402
 from ..functional import bind  # noqa: E402
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
 
@@ -197,23 +186,6 @@ def _untracked(x) -> bool:
 ops = PaddleOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("paddle")
-
-# paddle.jit.to_static would transcribe every function a layer calls, the framework-free
-# modules included, and trips on their plain Python; those modules run as Python instead.
-paddle.jit.ignore_module(
-    [
-        _registry,
-        core,
-        fast_paths,
-        functional,
-        layers,
-        masks,
-        protocol,
-        specialise,
-        specialisations,
-        validation,
-    ]
-)
 
 
 def vjp(fn, args, cotangent):

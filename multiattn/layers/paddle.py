@@ -8,6 +8,18 @@ import numpy as np
 import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
+from .. import (
+    _registry,
+    core,
+    fast_paths,
+    functional,
+    layers,
+    masks,
+    protocol,
+    specialisations,
+    specialise,
+    validation,
+)
 from ..backends.paddle import ops, to_numpy  # first: it guards the paddle import
 from . import (
     AdditiveWeights,
@@ -17,6 +29,24 @@ from . import (
     check_multi_head_sizes,
     check_sizes,
     converters,
+)
+
+# paddle.jit.to_static would transcribe every function a layer calls, the framework-free
+# modules included, and trips on their plain Python; those modules run as Python instead.
+paddle.jit.ignore_module(
+    [
+        _registry,
+        converters,
+        core,
+        fast_paths,
+        functional,
+        layers,
+        masks,
+        protocol,
+        specialise,
+        specialisations,
+        validation,
+    ]
 )
 
 
