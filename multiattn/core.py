@@ -49,10 +49,11 @@ def dot_product_attention(
 ) -> tuple[Tensor, Optional[Tensor]]:
     """softmax(Q K^T / sqrt(d)) V, masked: (output (B, [H,] Q, v), weights (B, [H,] Q, K), or
     None for the weights where need_weights is False).  scale: 1 / sqrt(d) by default."""
-    if nothing_to_attend(ops, queries, keys):
+    q_shape = ops.shape(queries)
+    if 0 in q_shape[:-1] or ops.shape(keys)[-2] == 0:  # nothing to attend: no kernel runs
         return no_attention(ops, queries, keys, values)
     if scale is None:
-        scale = 1.0 / math.sqrt(ops.shape(queries)[-1])
+        scale = 1.0 / math.sqrt(q_shape[-1])
     done = specialise.run(
         ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
     )

@@ -8,6 +8,7 @@ the math is the same.  The tests hold each to the float64 reference, forced at s
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, List, Optional
 
@@ -77,10 +78,17 @@ def offer_writing_padding(
         return lengths
     lengths = clip_lengths(lengths, ops.shape(scores)[-1])
     scores = scores if owned else copy(scores)
-    return lambda: softmax_writing_padding(
-        ops, scores, values, lengths, fill=fill or fill_by_slices, softmax=softmax,
-        zero_rows=zero_rows or (lambda v, n: zero_rows_by_slices(v, n, copy)),
-    )  # fmt: skip
+    return functools.partial(
+        softmax_writing_padding,
+        ops,
+        scores,
+        values,
+        lengths,
+        fill or fill_by_slices,
+        softmax,
+        zero_rows,
+        copy,
+    )
 
 
 def softmax_writing_padding(
@@ -88,10 +96,10 @@ def softmax_writing_padding(
     scores: Tensor,
     values: Optional[Tensor],
     lengths: list,
-    *,
     fill: Callable[..., Tensor],
     softmax: Callable[[Tensor], Tensor],
-    zero_rows: Callable[[Tensor, list], Tensor],
+    zero_rows: Optional[Callable[[Tensor, list], Tensor]],
+    copy: Callable[[Tensor], Tensor],
 ) -> tuple[Tensor, Optional[Tensor]]:
     """``core.masked_weights`` for one length per sequence, read on the host (clipped): the
     padding of the scores, which the core owns, is set to the dtype's lowest, the softmax
@@ -99,9 +107,13 @@ def softmax_writing_padding(
     ``fill(x, lengths, value, uniform)`` writes ``x[b, ..., lengths[b]:] = value``.  Every
     masked score is the same, so a row's masked weights are equal and mostly 0 already
     (exp underflows): the second fill may skip those (uniform).  Padded values are zeroed by
-    ``zero_rows`` (a finite tensor needs none: 0 * x is 0)."""
+    ``zero_rows`` (a finite tensor needs none: 0 * x is 0), by slices in a ``copy`` if None."""
     weights = fill(softmax(fill(scores, lengths, ops.lowest(scores), False)), lengths, 0.0, True)
-    return weights, values if values is None else zero_rows(values, lengths)
+    if values is None:
+        return weights, None
+    return weights, zero_rows_by_slices(values, lengths, copy) if zero_rows is None else zero_rows(
+        values, lengths
+    )
 
 
 # Below this many weights writing every padding slice costs less than the test that skips some.
@@ -128,7 +140,7 @@ def zero_rows_by_slices(values: Tensor, lengths: list, copy: Callable[[Tensor], 
     """values (B, [H,] K, v) with the rows ``>= lengths[b]`` zeroed, in a copy, where some
     are not finite; values itself where they are all finite or none is padding."""
     n_keys = values.shape[-2]
-    if all(n >= n_keys for n in lengths) or math.isfinite(float(values.sum())):
+    if math.isfinite(float(values.sum())) or all(n >= n_keys for n in lengths):
         return values
     values = copy(values)
     for row, n in enumerate(lengths):
@@ -155,7 +167,9 @@ def offer_in_scores_memory(
     scores (and the weights), which the core owns."""
     if not owned:
         return "the caller's scores are never written"
-    return lambda: core.softmax_where(ops, scores, values, masks, exact, where=where, softmax=softmax)
+    return functools.partial(
+        core.softmax_where, ops, scores, values, masks, exact, where=where, softmax=softmax
+    )
 
 
 # -- a fused kernel ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ runs its own formula where every one declines.  ``primitives_only()`` switches t
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 from typing import Any, Callable, Iterator, List, Optional, Tuple
 
@@ -20,14 +21,9 @@ ORDER = {
     "masked_softmax": ("masked_softmax_writing_padding", "masked_softmax_in_scores_memory"),
     "additive_scores": ("additive_scores_over_visible_keys", "additive_scores_in_blocks"),
 }
-_ASK = {
-    "attend_over_visible_keys": lambda ops, *a: ops.attend_over_visible_keys(*a),
-    "attend_fused": lambda ops, *a: ops.attend_fused(*a),
-    "masked_softmax_writing_padding": lambda ops, *a: ops.masked_softmax_writing_padding(*a),
-    "masked_softmax_in_scores_memory": lambda ops, *a: ops.masked_softmax_in_scores_memory(*a),
-    "additive_scores_over_visible_keys": lambda ops, *a: ops.additive_scores_over_visible_keys(*a),
-    "additive_scores_in_blocks": lambda ops, *a: ops.additive_scores_in_blocks(*a),
-}
+# per step, each specialisation's name and its method of an adapter (attrgetter: no Python
+# frame per offer, and the method looked up at each call)
+_ASK = {step: tuple((name, operator.attrgetter(name)) for name in names) for step, names in ORDER.items()}
 OFF = "all specialisations are off (MULTIATTN_SPECIALISATIONS=off or primitives_only())"
 
 _state = {"on": os.environ.get("MULTIATTN_SPECIALISATIONS", "on").lower() != "off", "log": None}
@@ -43,9 +39,9 @@ def run(ops: Any, step: str, *inputs: Any) -> Any:
         if log is not None:
             log.append((ops.name, step, "*", OFF))
         return None
-    for name in ORDER[step]:
-        offer = _ASK[name](ops, *inputs)
-        if isinstance(offer, str):
+    for name, method in _ASK[step]:
+        offer = method(ops)(*inputs)
+        if type(offer) is str:
             if log is not None:
                 log.append((ops.name, step, name, offer))
             continue

@@ -6,6 +6,7 @@ float64 needs ``jax.config.update("jax_enable_x64", True)``; without it,
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import jax
@@ -63,7 +64,9 @@ class JaxOps(NumpyLikeOps):
         # in float32, which would cost float64 inputs their precision
         if values.shape[-1] != queries.shape[-1] or queries.dtype == jnp.float64:
             return "the value width differs from the query width, or float64"
-        return lambda: fast_paths.fused_attention(self, _fused_kernel, queries, keys, values, masks, scale)
+        return functools.partial(
+            fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
+        )
 
 
 def _fused_kernel(queries, keys, values, mask, scale):

@@ -8,6 +8,7 @@ float32-accurate even in float64; the README gives the tolerances.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -59,7 +60,9 @@ class MlxOps(NumpyLikeOps):
         declined = fast_paths.declines_fused(masks, dropout, need_weights)
         if declined:
             return declined
-        return lambda: fast_paths.fused_attention(self, _fused_kernel, queries, keys, values, masks, scale)
+        return functools.partial(
+            fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
+        )
 
 
 def _fused_kernel(queries, keys, values, mask, scale):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Optional
 
@@ -197,11 +198,15 @@ class TorchOps(Ops):
             return declined
         if not fast_paths.at_least(queries.shape[:-1] + keys.shape[-2:-1], FUSED_MIN_SCORES):
             return "too few scores for SDPA's fixed cost"
-        return lambda: fast_paths.fused_attention(self, _sdpa, queries, keys, values, masks, scale)
+        return functools.partial(fast_paths.fused_attention, self, _sdpa, queries, keys, values, masks, scale)
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
         # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
-        lengths = fast_paths.lengths_per_sequence(masks, lambda lens: _sliceable_lengths(scores, lens))
+        if not masks.one_length_per_sequence:
+            return "not one length per sequence"
+        lengths = _sliceable_lengths(scores, masks.valid_lens)
+        if lengths is None:
+            return "too few scores per sequence, or the lengths are not readable on the host"
         return fast_paths.offer_writing_padding(
             self, scores, values, owned, lengths, copy=torch.clone, softmax=self._softmax_owned
         )
