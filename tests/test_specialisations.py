@@ -34,7 +34,7 @@ def _case(bk, dtype, mask, seed=0):
     return tensors, rounded, lens, None if lens is None else bk.tensor(lens)
 
 
-# Who must offer what (docs/architecture.md's table says the same; test_architecture_table
+# Who must offer what (docs/architecture.md's table says the same; test_package_layout
 # keeps the two in step): a backend listed here that declines at these sizes fails.
 OFFERED_BY = {
     "masked_softmax_writing_padding": ("numpy", "torch", "paddle", "mxnet"),
