@@ -3,7 +3,7 @@ the record of why the others declined.
 
 A specialisation is a method of the adapter (``multiattn.specialisations.Specialisations``)
 that takes a step's inputs and returns either a function of no arguments that does the
-step, or a short string saying why it declines.  ``first`` asks them in ``ORDER``; the core
+step, or a short string saying why it declines.  ``run`` asks them in ``ORDER``; the core
 runs its own formula where every one declines.  ``primitives_only()`` switches them all off
 (the tests run the matrix so); ``explained()`` records each decision.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
-from typing import Any, Callable, Iterator, List, Optional, Tuple
+from typing import Any, Iterator, List, Tuple
 
 # step -> its specialisations, tried in this order
 ORDER = {
@@ -79,7 +79,3 @@ def explained() -> Iterator[List[Decision]]:
 def describe(decisions: List[Decision]) -> str:
     """The decisions as lines: ``step: specialisation: outcome``."""
     return "\n".join(f"{backend} {step}: {name}: {outcome}" for backend, step, name, outcome in decisions)
-
-
-Offer = Callable[[], Any]
-Answer = Optional[Any]
