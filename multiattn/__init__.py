@@ -32,6 +32,7 @@ __all__ = [
     "MultiHeadAttention",
     "additive_attention",
     "backend",
+    "combine_attention",
     "dot_product_attention",
     "explained",
     "get_backend",
@@ -64,17 +65,23 @@ def dot_product_attention(
     attention_mask: Any = None,
     causal: bool = False,
     return_weights: bool = False,
+    return_lse: bool = False,
+    block_size: Any = None,
 ) -> Any:
     """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments.
 
-    With ``return_weights=True`` returns ``(output, attention_weights)``.
+    With ``return_weights=True`` returns ``(output, attention_weights)``; with
+    ``return_lse=True`` also (last) lse (B, Q), the log of the sum of exp of each row's
+    visible scores (-inf where none is), for ``combine_attention``.  Without the weights the
+    scores are computed in blocks of ``block_size`` (None: automatically, where they would
+    not fit the budget; ``multiattn.blockwise``).
     """
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
     return get_backend(name).dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
-        return_weights=return_weights,
+        return_weights=return_weights, return_lse=return_lse, block_size=block_size,
     )  # fmt: skip
 
 
@@ -90,16 +97,18 @@ def additive_attention(
     attention_mask: Any = None,
     causal: bool = False,
     return_weights: bool = False,
+    block_size: Any = None,
 ) -> Any:
     """Additive attention with weight tensors in the canonical layout, on their framework:
-    W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,)."""
+    W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
+    block_size: as in ``dot_product_attention``."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
         attention_mask=attention_mask,
     )  # fmt: skip
     return get_backend(name).additive_attention(
         queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, attention_mask=attention_mask,
-        causal=causal, return_weights=return_weights,
+        causal=causal, return_weights=return_weights, block_size=block_size,
     )  # fmt: skip
 
 
@@ -114,6 +123,7 @@ def multi_head_attention(
     attention_mask: Any = None,
     causal: bool = False,
     return_weights: bool = False,
+    block_size: Any = None,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
     weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
@@ -125,7 +135,25 @@ def multi_head_attention(
     return get_backend(name).multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
+        block_size=block_size,
     )  # fmt: skip
+
+
+def combine_attention(parts: Any) -> Any:
+    """``(output, lse)`` of attention over the union of disjoint key sets, exactly, from each
+    set's ``(output, lse)`` as ``dot_product_attention(..., return_lse=True)`` gives them
+    (ring attention's merge): lse = log sum_i exp(lse_i), output = sum_i exp(lse_i - lse)
+    output_i.  A part whose row sees nothing (lse -inf) adds nothing; a row no part sees is
+    0 with lse -inf.  On the framework of the arguments."""
+    from . import functional
+
+    try:
+        tensors = {f"parts[{i}][{j}]": x for i, part in enumerate(parts) for j, x in enumerate(part)}
+    except TypeError:
+        raise TypeError(f"parts must be a sequence of (output, lse) pairs, got {type(parts).__name__}") from None
+    if not tensors:
+        raise ValueError("parts must hold at least one (output, lse) pair, got none")
+    return functional.combine_attention(get_backend(framework_of_call(**tensors)).ops, parts)
 
 
 def _selected_module() -> ModuleType:

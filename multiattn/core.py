@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from . import specialise
+from . import blockwise, specialise
 from .masks import NO_MASKS, Masks
 
 Tensor = Any
@@ -46,22 +46,42 @@ def dot_product_attention(
     scale: Optional[float] = None,
     dropout: Dropout = None,
     need_weights: bool = True,
-) -> tuple[Tensor, Optional[Tensor]]:
+    block_size: Optional[int] = None,
+    need_lse: bool = False,
+) -> tuple:
     """softmax(Q K^T / sqrt(d)) V, masked: (output (B, [H,] Q, v), weights (B, [H,] Q, K), or
-    None for the weights where need_weights is False).  scale: 1 / sqrt(d) by default."""
+    None for the weights where need_weights is False), and with need_lse a third, lse (B, [H,]
+    Q), the log of the sum of exp of each row's visible scores (-inf where none is).
+    scale: 1 / sqrt(d) by default.  Without weights or dropout the scores are computed in
+    blocks (``blockwise``) of block_size, or where they would exceed the budget (None)."""
     q_shape = ops.shape(queries)
     if 0 in q_shape[:-1] or ops.shape(keys)[-2] == 0:  # nothing to attend: no kernel runs
-        return no_attention(ops, queries, keys, values)
+        out, weights = no_attention(ops, queries, keys, values)
+        return (out, weights, blockwise.no_lse(ops, out)) if need_lse else (out, weights)
     if scale is None:
         scale = 1.0 / math.sqrt(q_shape[-1])
-    done = specialise.run(
-        ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
-    )
-    if done is not None:
-        return done
+    if not need_weights and dropout is None:
+        forced = block_size is not None
+        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
+        if block_size is not None:
+            done = None
+            if not (forced or need_lse):  # a framework's kernel that never holds the scores whole
+                done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
+            if done is None:
+                out, lse = blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+                return (out, None, lse) if need_lse else (out, None)
+            return done
+    if not need_lse:
+        done = specialise.run(
+            ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
+        )
+        if done is not None:
+            return done
     scores = dot_product_scores(ops, queries, keys, scale)
+    lse = blockwise.log_sum_exp(ops, scores, visibility(ops, masks, scores)) if need_lse else None
     out, weights = attend(ops, scores, values, masks, dropout, exact=need_weights)
-    return out, (weights if need_weights else None)
+    weights = weights if need_weights else None
+    return (out, weights, lse) if need_lse else (out, weights)
 
 
 def additive_attention(
@@ -75,13 +95,27 @@ def additive_attention(
     project_k: Callable[[Tensor], Tensor],
     w_v: Tensor,
     dropout: Dropout = None,
-) -> tuple[Tensor, Tensor]:
-    """a(q, k) = w_v^T tanh(W_q q + W_k k), no biases: (output, weights).  project_q and
-    project_k: q -> W_q q and k -> W_k k (the canonical weights', or a layer's own maps)."""
+    need_weights: bool = True,
+    block_size: Optional[int] = None,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """a(q, k) = w_v^T tanh(W_q q + W_k k), no biases: (output, weights, or None where
+    need_weights is False).  project_q and project_k: q -> W_q q and k -> W_k k (the canonical
+    weights', or a layer's own maps).  Without weights or dropout the features and scores are
+    made in blocks (``blockwise``) of block_size, or where the scores would exceed the budget."""
     if nothing_to_attend(ops, queries, keys):
         return no_attention(ops, queries, keys, values)
-    scores = additive_scores(ops, project_q(queries), project_k(keys), w_v, masks)
-    return attend(ops, scores, values, masks, dropout)
+    q_hidden, k_hidden = project_q(queries), project_k(keys)
+    if not need_weights and dropout is None:
+        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
+        if block_size is not None:  # the framework differentiates the blocks itself
+            out, _ = blockwise.attention_in_blocks(
+                ops, q_hidden, k_hidden, values, masks, block_size=block_size,
+                score=lambda q, k: additive_scores(ops, q, k, w_v),
+            )  # fmt: skip
+            return out, None
+    scores = additive_scores(ops, q_hidden, k_hidden, w_v, masks)
+    out, weights = attend(ops, scores, values, masks, dropout)
+    return out, (weights if need_weights else None)
 
 
 def multi_head_attention(
@@ -96,11 +130,13 @@ def multi_head_attention(
     num_hiddens: int,
     dropout: Dropout = None,
     need_weights: bool = True,
+    block_size: Optional[int] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
     attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
     project: "q", "k", "v", "o" -> x -> W x (+ b).  Returns (output (B, Q, num_hiddens),
-    weights (B, H, Q, K) or None where need_weights is False)."""
+    weights (B, H, Q, K) or None where need_weights is False).  block_size: as in
+    ``dot_product_attention``."""
     (batch, n_queries), n_keys = ops.shape(queries)[:2], ops.shape(keys)[1]
     if 0 in (batch, n_queries):
         return (
@@ -113,7 +149,7 @@ def multi_head_attention(
     q, k, v = (ops.split_heads(project[n](x), num_heads) for n, x in zip("qkv", (queries, keys, values)))
     scale = 1.0 / math.sqrt(num_hiddens // num_heads)
     heads, weights = dot_product_attention(
-        ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights
+        ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size
     )
     return project["o"](ops.merge_heads(heads)), weights
 

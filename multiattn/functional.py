@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping, Tuple
 
-from . import core, validation
+from . import blockwise, core, validation
 from ._registry import known_types
 from .protocol import Ops, Tensor
 
@@ -50,10 +50,14 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         attention_mask: Tensor = None,
         causal: bool = False,
         return_weights: bool = False,
+        return_lse: bool = False,
+        block_size: Any = None,
     ) -> Any:
-        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights).
+        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights); with return_lse,
+        lse (B, Q) last: the log of the sum of exp of each row's visible scores.
 
-        Without return_weights the framework's fused kernel runs where there is one.
+        Without return_weights the framework's fused kernel runs where there is one, and the
+        scores are computed in blocks of block_size (None: where they would not fit).
         """
         if not (
             type(queries) in known
@@ -70,10 +74,13 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
-        out, weights = core.dot_product_attention(
-            ops, queries, keys, values, masks, need_weights=return_weights
-        )
-        return (out, weights) if return_weights else out
+        block_size = validation.check_block_size(block_size, return_weights)
+        validation.check_flag("return_lse", return_lse)
+        result = core.dot_product_attention(
+            ops, queries, keys, values, masks, need_weights=return_weights, block_size=block_size,
+            need_lse=return_lse,
+        )  # fmt: skip
+        return validation.returned(result, return_weights, return_lse)
 
     def additive_attention(
         queries: Tensor,
@@ -87,8 +94,10 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         attention_mask: Tensor = None,
         causal: bool = False,
         return_weights: bool = False,
+        block_size: Any = None,
     ) -> Any:
-        """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,)."""
+        """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,);
+        without return_weights in blocks of block_size (None: where the scores would not fit)."""
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
             attention_mask=attention_mask,
@@ -97,9 +106,11 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.additive_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, query_size, key_size
         )
+        block_size = validation.check_block_size(block_size, return_weights)
         out, weights = core.additive_attention(
             ops, queries, keys, values, masks, w_v=w_v,
             project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
+            need_weights=return_weights, block_size=block_size,
         )  # fmt: skip
         return (out, weights) if return_weights else out
 
@@ -114,10 +125,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         attention_mask: Tensor = None,
         causal: bool = False,
         return_weights: bool = False,
+        block_size: Any = None,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
         W_v (h, v), W_o (h, h) and optionally b_q, b_k, b_v, b_o (h,); with return_weights,
-        (output (B, Q, h), weights (B, num_heads, Q, K))."""
+        (output (B, Q, h), weights (B, num_heads, Q, K)); without, in blocks of block_size
+        (None: where the scores would not fit)."""
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask,
@@ -126,6 +139,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         validation.check_attention_inputs(ops, queries, keys, values, valid_lens)
         validation.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
         num_hiddens = ops.shape(weights["W_q"])[0]
+        block_size = validation.check_block_size(block_size, return_weights)
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
@@ -135,8 +149,16 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         }
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
-            need_weights=return_weights,
+            need_weights=return_weights, block_size=block_size,
         )  # fmt: skip
         return (out, attention) if return_weights else out
 
     return masked_softmax, dot_product_attention, additive_attention, multi_head_attention
+
+
+def combine_attention(ops: Ops, parts: Any) -> Tuple[Tensor, Tensor]:
+    """(output, lse) of attention over the union of disjoint key sets, from each set's
+    (output (B, [H,] Q, v), lse (B, [H,] Q)) as ``dot_product_attention(..., return_lse=True)``
+    gives them: exact, the merge of ring attention."""
+    parts = validation.check_attention_parts(ops, parts)
+    return blockwise.combine(ops, parts)

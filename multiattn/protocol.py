@@ -9,8 +9,8 @@ member neither half declares (a misspelled override would otherwise switch itsel
 silently).
 
 Tensors are used through these methods, plus what every array library has:
-``+`` and ``*`` with a tensor or a Python float, and basic slicing
-(``x[:, a:b]``, ``x[:, :, None]``).
+``+``, ``-``, ``*`` and ``/`` with a tensor or a Python float, and basic slicing
+(``x[:, a:b]``, ``x[..., a:b, :]``, ``x[..., 0]``).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ LAYER_EXPORTS = ("AdditiveAttention", "DotProductAttention", "MultiHeadAttention
 
 class Primitives:
     """The primitives of one framework, all the core's math asks.  Subclasses set ``name``
-    and define every method of the first group; the last three have generic defaults."""
+    and define every method of the first group; the others have generic defaults."""
 
     name: str = ""  # backend name, as in the registry
 
@@ -128,6 +128,30 @@ class Primitives:
         """x in like's dtype (x itself where it has it already), differentiable."""
         raise NotImplementedError
 
+    def widen(self, x: Tensor) -> Tensor:
+        """x in float32 where its dtype is narrower (float16, bfloat16), else x itself."""
+        raise NotImplementedError
+
+    def exp(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def log(self, x: Tensor) -> Tensor:
+        """The natural log; log 0 = -inf."""
+        raise NotImplementedError
+
+    def max(self, x: Tensor, axis: int) -> Tensor:
+        """The maximum over one axis, kept (size 1); NaN where the axis holds a NaN."""
+        raise NotImplementedError
+
+    def sum(self, x: Tensor, axis: int) -> Tensor:
+        """The sum over one axis, kept (size 1)."""
+        raise NotImplementedError
+
+    def maximum(self, a: Tensor, b: Any) -> Tensor:
+        """Elementwise max of a and b (a tensor, broadcast, or a Python float); NaN where
+        either is NaN."""
+        raise NotImplementedError
+
     # -- primitives with a default ------------------------------------------------------
 
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
@@ -140,6 +164,26 @@ class Primitives:
     def check_tensors(self, **tensors: Tensor) -> None:
         """TypeError unless every non-None argument is a tensor of this backend; by name."""
         _registry.check_framework(self.name, **tensors)
+
+    def host_values(self, x: Tensor) -> Any:
+        """x's values as a numpy array where they can be read now and cheaply (eager, on the
+        host), else None (traced, lazy, or on a device): the block plan reads lengths and
+        masks so, to skip what they hide."""
+        return None
+
+    def custom_gradient(
+        self,
+        forward: Callable[..., Tuple[Tensor, ...]],
+        backward: Callable[..., Tuple[Tensor, ...]],
+        tensors: Tuple[Tensor, ...],
+        constants: Tuple[Tensor, ...] = (),
+    ) -> Tuple[Tensor, ...]:
+        """forward(*tensors, *constants) -> outputs, differentiated (with respect to tensors
+        only) by backward(tensors, constants, outputs, cotangents) -> one gradient per tensor,
+        through the framework's own custom-gradient mechanism; cotangents: one per output,
+        None where it is not used.  The default runs forward as it is (no autodiff, or the
+        framework's own differentiation of it)."""
+        return forward(*tensors, *constants)
 
     def settle(self, x: Tensor) -> None:
         """Compute x now, in a lazy framework, so that what it was computed from can be freed
@@ -154,7 +198,8 @@ class Ops(Primitives, Specialisations):
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
     "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
-    "split_heads", "merge_heads", "where", "lowest", "cast",
+    "split_heads", "merge_heads", "where", "lowest", "cast", "widen", "exp", "log", "max", "sum",
+    "maximum",
 )  # fmt: skip
 
 

@@ -54,6 +54,15 @@ class Specialisations:
         """The framework's fused kernel (``fast_paths.fused_attention``): no weights, no dropout."""
         return NOT_OFFERED
 
+    # -- step ``attend_past_memory``: no weights, scores past the budget ----------------------
+
+    def attend_by_flash_kernel(
+        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float
+    ) -> Offer:
+        """(output, None) from a framework's kernel that, like the core's blocks
+        (``blockwise``), never holds the scores whole and is faster than them."""
+        return NOT_OFFERED
+
     # -- step ``masked_softmax``: the weights, and the values with hidden rows zeroed ----------
 
     def masked_softmax_writing_padding(

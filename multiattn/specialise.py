@@ -18,6 +18,7 @@ from typing import Any, Iterator, List, Tuple
 # step -> its specialisations, tried in this order
 ORDER = {
     "dot_product_attend": ("attend_over_visible_keys", "attend_fused"),
+    "attend_past_memory": ("attend_by_flash_kernel",),
     "masked_softmax": ("masked_softmax_writing_padding", "masked_softmax_in_scores_memory"),
     "additive_scores": ("additive_scores_over_visible_keys", "additive_scores_in_blocks"),
 }

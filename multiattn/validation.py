@@ -283,6 +283,66 @@ def check_multi_head_weights(
             )
 
 
+def check_flag(arg: str, value: Any) -> None:
+    if value is not True and value is not False:
+        raise TypeError(f"{arg} must be True or False, got {value!r}")
+
+
+def check_block_size(block_size: Any, return_weights: Any) -> Any:
+    """None (automatic) or a positive int; the block path gives no weights."""
+    check_flag("return_weights", return_weights)
+    if block_size is None:
+        return None
+    if isinstance(block_size, bool) or not hasattr(block_size, "__index__") or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer or None (automatic), got {block_size!r}")
+    if return_weights:
+        raise ValueError(
+            f"block_size={block_size!r} needs return_weights=False: attention in blocks never holds "
+            "the weights whole"
+        )
+    return block_size.__index__()
+
+
+def returned(result: tuple, return_weights: bool, return_lse: bool) -> Any:
+    """What dot_product_attention returns: output, and weights and lse where asked for."""
+    out, weights = result[:2]
+    if not (return_weights or return_lse):
+        return out
+    return (out,) + ((weights,) if return_weights else ()) + ((result[2],) if return_lse else ())
+
+
+def check_attention_parts(ops: Ops, parts: Any) -> list:
+    """A non-empty sequence of (output (..., Q, v), lse (..., Q)) pairs of one shape and dtype."""
+    try:
+        parts = [tuple(part) for part in parts]
+    except TypeError:
+        raise TypeError(
+            f"parts must be a sequence of (output, lse) pairs, got {type(parts).__name__}"
+        ) from None
+    if not parts:
+        raise ValueError("parts must hold at least one (output, lse) pair, got none")
+    first_out = None
+    for i, part in enumerate(parts):
+        if len(part) != 2:
+            raise ValueError(f"parts[{i}] must be an (output, lse) pair, got {len(part)} items")
+        out, lse = part
+        o_shape, l_shape = ops.shape(out), ops.shape(lse)
+        if tuple(o_shape[:-1]) != tuple(l_shape):
+            raise ValueError(
+                f"parts[{i}]: lse must have the shape of output without its last axis, "
+                f"{fmt(tuple(o_shape[:-1]))}, got {fmt(l_shape)}"
+            )
+        check_float(ops, f"parts[{i}][0]", out)
+        check_float(ops, f"parts[{i}][1]", lse)
+        if first_out is None:
+            first_out = (o_shape, out.dtype)
+        elif tuple(o_shape) != tuple(first_out[0]):
+            raise ValueError(
+                f"parts[{i}][0] must have the shape of parts[0][0], {fmt(first_out[0])}, got {fmt(o_shape)}"
+            )
+    return parts
+
+
 def is_empty(shape: Shape) -> bool:
     return 0 in shape
 

@@ -98,6 +98,34 @@ class ArrayApiOps(Ops):
     def cast(self, x, like):
         return array_namespace(x).astype(x, like.dtype)
 
+    def widen(self, x):
+        xp = array_namespace(x)
+        return xp.astype(x, xp.float32) if xp.finfo(x.dtype).bits < 32 else x
+
+    def exp(self, x):
+        return array_namespace(x).exp(x)
+
+    def log(self, x):
+        return array_namespace(x).log(x)
+
+    def max(self, x, axis):
+        return array_namespace(x).max(x, axis=axis, keepdims=True)
+
+    def sum(self, x, axis):
+        return array_namespace(x).sum(x, axis=axis, keepdims=True)
+
+    def maximum(self, a, b):
+        xp = array_namespace(a)
+        if isinstance(b, float):
+            b = xp.asarray(b, dtype=a.dtype, device=device(a))
+        return xp.maximum(a, b)
+
+    def host_values(self, x):
+        try:  # through DLPack: host arrays only
+            return to_numpy(x)
+        except (BufferError, RuntimeError, TypeError, ValueError):
+            return None
+
 
 ops = ArrayApiOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)

@@ -48,6 +48,9 @@ class MlxOps(NumpyLikeOps):
     def where(self, mask, x, fill):
         return mx.where(mask, x, fill)  # a Python float is weakly typed: x's dtype stays
 
+    def host_values(self, x):
+        return np.array(x)
+
     def settle(self, x):
         # mlx is lazy: without this one graph holds every additive block's features at once.
         # mx.eval is refused inside mx.compile and mx.vmap: there the blocks stay lazy.

@@ -117,6 +117,27 @@ class MxnetOps(Ops):
     def cast(self, x, like):
         return x if x.dtype == like.dtype else x.astype(like.dtype)
 
+    def widen(self, x):
+        return x.astype("float32") if x.dtype == onp.float16 else x
+
+    def exp(self, x):
+        return np.exp(x)
+
+    def log(self, x):
+        return np.log(x)
+
+    def max(self, x, axis):
+        return np.max(x, axis=axis, keepdims=True)
+
+    def sum(self, x, axis):
+        return np.sum(x, axis=axis, keepdims=True)
+
+    def maximum(self, a, b):
+        return np.maximum(a, b)
+
+    def host_values(self, x):
+        return x.asnumpy()
+
     # -- specialisations --------------------------------------------------------------------
 
     # mxnet's `where` is slow next to its sequence mask (a select, so NaN in the padding stays

@@ -68,3 +68,21 @@ class NumpyLikeOps(Ops):
 
     def cast(self, x, like):
         return x if x.dtype == like.dtype else x.astype(like.dtype)
+
+    def widen(self, x):
+        return x.astype(self.xp.float32) if self.xp.finfo(x.dtype).bits < 32 else x
+
+    def exp(self, x):
+        return self.xp.exp(x)
+
+    def log(self, x):
+        return self.xp.log(x)
+
+    def max(self, x, axis):
+        return self.xp.max(x, axis=axis, keepdims=True)
+
+    def sum(self, x, axis):
+        return self.xp.sum(x, axis=axis, keepdims=True)
+
+    def maximum(self, a, b):
+        return self.xp.maximum(a, b)

@@ -135,6 +135,27 @@ class PaddleOps(Ops):
     def cast(self, x, like):
         return x if x.dtype == like.dtype else x.astype(like.dtype)
 
+    def widen(self, x):
+        return x.astype("float32") if x.dtype in (paddle.float16, paddle.bfloat16) else x
+
+    def exp(self, x):
+        return paddle.exp(x)
+
+    def log(self, x):
+        return paddle.log(x)
+
+    def max(self, x, axis):
+        return paddle.max(x, axis=axis, keepdim=True)
+
+    def sum(self, x, axis):
+        return paddle.sum(x, axis=axis, keepdim=True)
+
+    def maximum(self, a, b):
+        return paddle.maximum(a, paddle.full([], b, dtype=a.dtype) if isinstance(b, float) else b)
+
+    def host_values(self, x):
+        return x.numpy() if paddle.in_dynamic_mode() and x.place.is_cpu_place() else None
+
     # -- specialisations --------------------------------------------------------------------
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):

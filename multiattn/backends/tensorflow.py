@@ -128,6 +128,27 @@ class TensorFlowOps(Ops):
     def cast(self, x, like):
         return tf.cast(x, like.dtype)
 
+    def widen(self, x):
+        return tf.cast(x, tf.float32) if x.dtype in (tf.float16, tf.bfloat16) else x
+
+    def exp(self, x):
+        return tf.exp(x)
+
+    def log(self, x):
+        return tf.math.log(x)
+
+    def max(self, x, axis):
+        return tf.reduce_max(x, axis=axis, keepdims=True)
+
+    def sum(self, x, axis):
+        return tf.reduce_sum(x, axis=axis, keepdims=True)
+
+    def maximum(self, a, b):
+        return tf.maximum(a, tf.constant(b, dtype=a.dtype) if isinstance(b, float) else b)
+
+    def host_values(self, x):
+        return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
+
 
 def _dims(x: tf.Tensor) -> list:
     """x's dimensions, static where known, else read at run time (a traced graph)."""

@@ -165,6 +165,29 @@ class TorchOps(Ops):
     def cast(self, x, like):
         return x.to(like.dtype)
 
+    def widen(self, x):
+        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+    def exp(self, x):
+        return torch.exp(x)
+
+    def log(self, x):
+        return torch.log(x)
+
+    def max(self, x, axis):
+        return torch.amax(x, dim=axis, keepdim=True)
+
+    def sum(self, x, axis):
+        return torch.sum(x, dim=axis, keepdim=True)
+
+    def maximum(self, a, b):
+        return torch.clamp_min(a, b) if isinstance(b, float) else torch.maximum(a, b)
+
+    def host_values(self, x):
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        return x.detach().numpy()
+
     # -- specialisations --------------------------------------------------------------------
 
     def attend_over_visible_keys(self, queries, keys, values, masks, scale, dropout, need_weights):
@@ -191,6 +214,15 @@ class TorchOps(Ops):
             return (out, weights) if math.isfinite(float(out.sum())) else None
 
         return attend
+
+    def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
+        # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
+        if masks.none or (masks.causal and masks.valid_lens is None and masks.attention_mask is None):
+            return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=masks.causal), None)
+        lens = masks.valid_lens
+        if not masks.one_length_per_sequence or not lens.is_cpu or torch.compiler.is_compiling():
+            return "a mask SDPA's flash kernel does not take (it takes none, causal, one length per sequence)"
+        return lambda: (_flash_per_sequence(queries, keys, values, lens.tolist(), scale), None)
 
     def attend_fused(self, queries, keys, values, masks, scale, dropout, need_weights):
         declined = fast_paths.declines_fused(masks, dropout, need_weights)
@@ -244,10 +276,12 @@ class TorchOps(Ops):
         return out, weights
 
 
-def _sdpa(queries, keys, values, mask, scale):
+def _sdpa(queries, keys, values, mask, scale, is_causal=False):
     """SDPA for the core's (B, [H,] n, d) inputs, mask None or boolean (B, [H|1,] 1|Q, K)."""
     if queries.dim() == 4:  # heads already
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal
+        )
     # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
     out = F.scaled_dot_product_attention(
         queries.unsqueeze(1),
@@ -255,8 +289,23 @@ def _sdpa(queries, keys, values, mask, scale):
         values.unsqueeze(1),
         attn_mask=None if mask is None else mask.unsqueeze(1),
         scale=scale,
+        is_causal=is_causal,
     )
     return out.squeeze(1)
+
+
+def _flash_per_sequence(queries, keys, values, lengths, scale):
+    """SDPA per sequence on its visible keys (its flash kernel: no mask), joined, not written
+    in place, so autograd follows."""
+    outs = []
+    for b, n in enumerate(lengths):
+        q, k, v = (x[b : b + 1] for x in (queries, keys, values))
+        if n <= 0:  # nothing visible: 0
+            outs.append(q.new_zeros(*q.shape[:-1], v.shape[-1]))
+            continue
+        n = min(math.ceil(n), k.shape[-2])
+        outs.append(_sdpa(q, k[..., :n, :], v[..., :n, :], None, scale))
+    return torch.cat(outs)
 
 
 def _fused_over_visible_keys(queries, keys, values, lengths, scale):

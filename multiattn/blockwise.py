@@ -1,0 +1,343 @@
+"""Exact attention in blocks: the scores (Q x K) never exist whole, only one block of them.
+
+Forward, the online softmax of Rabe & Staats (2021) and FlashAttention-2: for each block of
+queries, over the key blocks j in turn, with S_j = scale * Q K_j^T,
+
+    m' = max(m, rowmax S_j),   P = exp(S_j - m'),
+    l' = exp(m - m') l + rowsum P,   O' = exp(m - m') O + P V_j,
+
+then output = O / l and lse = m + log l, the log of the sum of exp over the visible scores.
+Backward, by recomputation from lse (FlashAttention-2): P = exp(S - lse), D = rowsum(dO * O),
+dV = P^T dO, dP = dO V^T, dS = P * (dP - D + dlse), dQ = scale dS K, dK = scale dS^T Q.
+
+A block the masks hide entirely is skipped; one they show entirely is not masked (``Plan``).
+A hidden score is -inf, and a row whose running max is still -inf (nothing visible yet) is
+exponentiated against the dtype's lowest finite value, so its terms are exactly 0: a row
+with nothing visible, or whose visible scores are all -inf, gives output 0 and lse -inf.
+Half types are computed in float32 (``ops.widen``).  Written once, over ``protocol.Ops``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, List, Optional, Tuple
+
+from . import _machine
+from .masks import Masks
+
+Tensor = Any
+Ops = Any
+NEG_INF = float("-inf")
+
+# What the scores of one call may take before the automatic choice computes them in blocks.
+SCORES_BUDGET_BYTES = int(os.environ.get("MULTIATTN_SCORES_BUDGET_BYTES", 64 << 20))
+MIN_BLOCK, MAX_BLOCK = 128, 1024
+
+
+def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = None) -> int:
+    """The side of a square block whose scores, for all batch_rows (batch x heads) at once,
+    fit one core's L2 cache: a power of two in [MIN_BLOCK, MAX_BLOCK]."""
+    cache = _machine.l2_cache_bytes() if cache_bytes is None else cache_bytes
+    side = math.isqrt(max(cache // (max(itemsize, 4) * max(batch_rows, 1)), 1))
+    side = 1 << max(side.bit_length() - 1, 0)
+    return min(max(side, MIN_BLOCK), MAX_BLOCK)
+
+
+def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor) -> Optional[int]:
+    """The block size where the scores of this call would exceed ``SCORES_BUDGET_BYTES``, else
+    None (the materialised path).  Unknown (traced) sizes count as fitting."""
+    shape = tuple(ops.shape(queries)[:-1]) + (ops.shape(keys)[-2],)
+    if any(size is None for size in shape):
+        return None
+    itemsize = 8 if ops.lowest(queries) < -1e300 else 4  # half types are computed in float32
+    if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
+        return None
+    return block_size_for(math.prod(shape[:-2]), itemsize)
+
+
+# -- which blocks run, and which need masking ---------------------------------------------------
+
+SKIP, FULL, PARTIAL = "skip", "full", "partial"
+
+
+class Plan:
+    """The blocks of one call: for a query block [q0, q1) and a key block [k0, k1), whether the
+    masks hide it for every sequence (SKIP), show all of it (FULL: no masking work) or part
+    of it (PARTIAL: its mask, from the parts that do not show it all).  Lengths and masks
+    are read on the host where the framework allows (``ops.host_values``); unknown, a
+    block is PARTIAL.  Causality is known from the positions alone."""
+
+    def __init__(self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int) -> None:
+        self.ops, self.masks, self.block = ops, masks, block
+        self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
+        self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
+        self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
+        self.mask = None if masks.attention_mask is None else ops.host_values(masks.attention_mask)
+
+    def kind(self, q0: int, q1: int, k0: int, k1: int) -> Tuple[str, Tuple[str, ...]]:
+        """(SKIP, FULL or PARTIAL, the mask parts the block needs: "lengths", "mask", "causal")."""
+        parts = []
+        masks = self.masks
+        if masks.causal:
+            if k0 > q1 - 1:
+                return SKIP, ()
+            if k1 - 1 > q0:
+                parts.append("causal")
+        if masks.valid_lens is not None:
+            if self.lengths is None:
+                parts.append("lengths")
+            else:
+                lens = self.lengths if self.lengths.ndim == 1 else self.lengths[:, q0:q1]
+                if k0 >= lens.max(initial=0):
+                    return SKIP, ()
+                if k1 > lens.min(initial=k1):
+                    parts.append("lengths")
+        if masks.attention_mask is not None:
+            if self.mask is None:
+                parts.append("mask")
+            else:
+                seen = _block_of(self.mask, q0, q1, k0, k1)
+                if not seen.any():
+                    return SKIP, ()
+                if not seen.all():
+                    parts.append("mask")
+        return (PARTIAL if parts else FULL), tuple(parts)
+
+    def visibility(self, parts: Tuple[str, ...], scores: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+        """The boolean mask of a PARTIAL block (B, [H,] bq, bk), broadcastable to its scores."""
+        ops, masks = self.ops, self.masks
+        found = []
+        if "lengths" in parts:
+            lens = masks.valid_lens
+            lens = lens if len(ops.shape(lens)) == 1 else lens[:, q0:q1]
+            found.append(ops.length_mask(scores, lens - k0))
+        if "mask" in parts:
+            found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
+        if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
+            found.append(ops.causal_mask(q1 - q0, k1 - k0, scores))
+        from .core import all_of  # core imports this module
+
+        return all_of(ops, found, len(ops.shape(scores)))
+
+
+def _block_of(mask: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
+    """The block of a mask broadcastable to the scores (size-1 axes stay whole)."""
+    shape = mask.shape
+    if len(shape) == 1:
+        return mask if shape[0] == 1 else mask[k0:k1]
+    rows = slice(q0, q1) if shape[-2] != 1 else slice(None)
+    cols = slice(k0, k1) if shape[-1] != 1 else slice(None)
+    return mask[..., rows, cols]
+
+
+def rows(x: Tensor, start: int, stop: int) -> Tensor:
+    """x[..., start:stop, :], the rows of one block."""
+    return x[..., start:stop, :]
+
+
+# -- forward ---------------------------------------------------------------------------------------
+
+ScoreFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def attention_in_blocks(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+    *,
+    block_size: int,
+    scale: float = 1.0,
+    score: Optional[ScoreFn] = None,
+) -> Tuple[Tensor, Tensor]:
+    """(output (B, [H,] Q, v), lse (B, [H,] Q, 1)) of masked attention, the online softmax over
+    square blocks of ``block_size``.  score(query block, key block) -> its scores (default:
+    ``scale * q k^T``); queries and keys are whatever it takes, blocked along axis -2."""
+    like = values
+    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
+    if score is None:
+        score = lambda q, k: ops.scaled_matmul_t(q, k, scale)  # noqa: E731
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    plan = Plan(ops, masks, n_queries, n_keys, block_size)
+    outs, lses = [], []
+    for q0, q1 in plan.query_blocks:
+        q_block = rows(queries, q0, q1)
+        m = l = o = None
+        for k0, k1 in plan.key_blocks:
+            kind, parts = plan.kind(q0, q1, k0, k1)
+            if kind == SKIP:
+                continue
+            s, v_block = score(q_block, rows(keys, k0, k1)), rows(values, k0, k1)
+            if kind == PARTIAL:
+                s, v_block = _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1)
+            m_new = ops.max(s, -1) if m is None else ops.maximum(m, ops.max(s, -1))
+            p = ops.exp(s - _finite(ops, m_new))
+            if m is None:
+                l, o = ops.sum(p, -1), ops.matmul(p, v_block)
+            else:
+                rescale = ops.exp(_finite(ops, m) - _finite(ops, m_new))
+                l, o = rescale * l + ops.sum(p, -1), rescale * o + ops.matmul(p, v_block)
+            m = m_new
+        if m is None:  # every key block hidden: nothing to attend to
+            shape = tuple(ops.shape(q_block)[:-1])
+            o = ops.zeros(shape + (ops.shape(values)[-1],), values)
+            l = ops.zeros(shape + (1,), values)
+            m = l  # lse = m + log 0 = -inf
+        ops.settle(o)
+        outs.append(o / ops.maximum(l, TINY))  # l is 0 only where o is 0
+        lses.append(_finite(ops, m) + ops.log(l))
+    out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
+    lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
+    return ops.cast(out, like), lse
+
+
+def _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1):
+    """A partial block's scores with the hidden ones -inf, and its value rows that no query
+    of the block may see set to 0 (so that a NaN there cannot reach the output as 0 * NaN)."""
+    from .core import visible_values
+
+    seen = plan.visibility(parts, s, q0, q1, k0, k1)
+    return ops.where(seen, s, NEG_INF), visible_values(ops, v_block, seen)
+
+
+def _finite(ops: Ops, m: Tensor) -> Tensor:
+    """The running max with -inf (nothing visible yet) as the lowest finite value: exp(-inf -
+    lowest) = 0, where exp(-inf - -inf) would be NaN."""
+    return ops.maximum(m, ops.lowest(m))
+
+
+TINY = 1e-30  # below any l but 0 (l >= 1 once a score is visible), normal in float32
+
+
+# -- backward --------------------------------------------------------------------------------------
+
+
+def attention_in_blocks_backward(
+    ops: Ops,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+    out: Tensor,
+    lse: Tensor,
+    d_out: Tensor,
+    d_lse: Optional[Tensor] = None,
+    *,
+    block_size: int,
+    scale: float,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """(dQ, dK, dV) of ``attention_in_blocks`` (dot-product scores) from its saved output and
+    lse, block by block: no block of scores outlives its use.  d_lse: the cotangent of lse,
+    None where lse was not used."""
+    like_q, like_k, like_v = queries, keys, values
+    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
+    out, d_out = ops.widen(out), ops.widen(d_out)
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    plan = Plan(ops, masks, n_queries, n_keys, block_size)
+    row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
+    if d_lse is not None:
+        row_dot = row_dot - ops.widen(d_lse)
+    lse = _finite(ops, lse)
+    d_queries: List[Optional[Tensor]] = [None] * len(plan.query_blocks)
+    d_keys, d_values = [], []
+    for k0, k1 in plan.key_blocks:
+        k_block, v_block = rows(keys, k0, k1), rows(values, k0, k1)
+        dk = dv = None
+        for i, (q0, q1) in enumerate(plan.query_blocks):
+            kind, parts = plan.kind(q0, q1, k0, k1)
+            if kind == SKIP:
+                continue
+            q_block, do_block = rows(queries, q0, q1), rows(d_out, q0, q1)
+            s, v_seen = ops.scaled_matmul_t(q_block, k_block, scale), v_block
+            if kind == PARTIAL:
+                s, v_seen = _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1)
+            p = ops.exp(s - rows(lse, q0, q1))
+            ds = p * (ops.matmul_t(do_block, v_seen) - rows(row_dot, q0, q1))
+            dv_part = ops.matmul(ops.matrix_transpose(p), do_block)
+            dk_part = ops.matmul(ops.matrix_transpose(ds), q_block)
+            dq_part = ops.matmul(ds, k_block)
+            dv = dv_part if dv is None else dv + dv_part
+            dk = dk_part if dk is None else dk + dk_part
+            d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
+        if dk is None:  # no query sees this key block
+            dk, dv = ops.zeros(ops.shape(k_block), k_block), ops.zeros(ops.shape(v_block), v_block)
+        d_keys.append(dk * scale)
+        d_values.append(dv)
+    d_queries = [
+        ops.zeros(ops.shape(rows(queries, q0, q1)), queries) if dq is None else dq * scale
+        for dq, (q0, q1) in zip(d_queries, plan.query_blocks)
+    ]
+    joined = [(parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)]
+    return tuple(ops.cast(g, like) for g, like in zip(joined, (like_q, like_k, like_v)))
+
+
+# -- the differentiable call ---------------------------------------------------------------------
+
+
+def attention(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *, scale: float, block_size: int
+) -> Tuple[Tensor, Tensor]:
+    """(output, lse (B, [H,] Q)) of dot-product attention in blocks, differentiated by
+    ``attention_in_blocks_backward`` through the framework's own mechanism
+    (``ops.custom_gradient``): the gradients, too, in memory linear in the length."""
+    names = [name for name in ("valid_lens", "attention_mask") if getattr(masks, name) is not None]
+    constants = tuple(getattr(masks, name) for name in names)
+
+    def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
+        return Masks(**dict(zip(names, given)), causal=masks.causal)
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
+        return attention_in_blocks(ops, q, k, v, rebuilt(given), block_size=block_size, scale=scale)
+
+    def backward(tensors, given, outputs, cotangents):
+        (q, k, v), (out, lse), (d_out, d_lse) = tensors, outputs, cotangents
+        if d_out is None:
+            d_out = ops.zeros(ops.shape(out), out)
+        return attention_in_blocks_backward(
+            ops, q, k, v, rebuilt(given), out, lse, d_out, d_lse, block_size=block_size, scale=scale
+        )
+
+    out, lse = ops.custom_gradient(forward, backward, (queries, keys, values), constants)
+    return out, lse[..., 0]
+
+
+def log_sum_exp(ops: Ops, scores: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """log sum_j exp(s_j) over each row's visible scores (B, [H,] Q): -inf where none is."""
+    scores = ops.widen(scores)
+    if mask is not None:
+        scores = ops.where(mask, scores, NEG_INF)
+    top = _finite(ops, ops.max(scores, -1))
+    return (top + ops.log(ops.sum(ops.exp(scores - top), -1)))[..., 0]
+
+
+def no_lse(ops: Ops, out: Tensor) -> Tensor:
+    """The lse of rows with nothing to attend to: -inf, (B, [H,] Q) for out (B, [H,] Q, v)."""
+    rows = ops.zeros(tuple(ops.shape(out)[:-1]) + (1,), ops.widen(out))
+    return ops.log(rows)[..., 0]
+
+
+# -- merging attention over disjoint key sets ------------------------------------------------------
+
+
+def combine(ops: Ops, parts: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+    """(output, lse) of attention over the union of disjoint key sets, from each set's
+    (output (..., Q, v), lse (..., Q)): lse = log sum_i exp(lse_i), output = sum_i exp(lse_i -
+    lse) output_i.  A part that sees nothing (lse -inf) weighs 0; a row no part sees gives 0
+    and -inf."""
+    lses = [ops.expand_dims(ops.widen(lse), -1) for _, lse in parts]
+    top = lses[0]
+    for lse in lses[1:]:
+        top = ops.maximum(top, lse)
+    top = _finite(ops, top)
+    total = None
+    for lse in lses:
+        term = ops.exp(lse - top)
+        total = term if total is None else total + term
+    merged = top + ops.log(total)
+    out = None
+    for (part, _), lse in zip(parts, lses):
+        term = ops.widen(part) * ops.exp(lse - _finite(ops, merged))
+        out = term if out is None else out + term
+    return ops.cast(out, parts[0][0]), merged[..., 0]
