@@ -8,3 +8,22 @@ def force_fused(bk, monkeypatch):
     for constant, value in (("FUSED_ON_CPU", True), ("FUSED_MIN_SCORES", 0)):
         if hasattr(bk.module, constant):
             monkeypatch.setattr(bk.module, constant, value)
+
+
+def force_blocks(monkeypatch, block_size=2):
+    """Every call without weights or dropout in blocks of block_size, the core's own
+    (``multiattn.blockwise``; no framework kernel in its place), however small the scores.
+    Returns the list of (block_size, query count, key count) of each call in blocks."""
+    from multiattn import blockwise, specialise
+
+    calls = []
+    real = blockwise.attention_in_blocks
+
+    def recorded(ops, queries, keys, values, masks, **kwargs):
+        calls.append((kwargs["block_size"], ops.shape(queries)[-2], ops.shape(keys)[-2]))
+        return real(ops, queries, keys, values, masks, **kwargs)
+
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, queries, keys: block_size)
+    monkeypatch.setattr(blockwise, "attention_in_blocks", recorded)
+    monkeypatch.setitem(specialise._ASK, "attend_past_memory", ())
+    return calls

@@ -251,3 +251,56 @@ def test_gradients_with_masks_match_finite_differences(bk, function, case, dtype
     got = masked_backend_grads(bk, function, case, dtype)
     want = masked_finite_differences(function, case)
     assert_gradients_close(bk, got, want, dtype)
+
+
+# -- attention in blocks (multiattn.blockwise): its own backward, through each framework ------
+
+BLOCK_CASES = {"none": {}, "1d": dict(valid_lens=MASKS["1d"]), "2d": dict(valid_lens=MASKS["2d"]), **MASK_CASES}
+
+
+@functools.lru_cache(maxsize=None)
+def block_finite_differences(function, case):
+    inputs, cotangent = _masked_inputs(function)
+    fn = _masked_reference(function, BLOCK_CASES[case])
+    step, grads = 1e-6, {}
+    for name, array in inputs.items():
+        grad = np.zeros_like(array)
+        for idx in np.ndindex(array.shape):
+            for sign in (1, -1):
+                shifted = dict(inputs, **{name: array.copy()})
+                shifted[name][idx] += sign * step
+                grad[idx] += sign * float(np.sum(fn(**shifted) * cotangent))
+        grads[name] = grad / (2 * step)
+    return grads
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("block_size", [1, 2, 3])
+@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("function", ["dot_product", "additive", "multi_head"])
+def test_gradients_in_blocks_match_finite_differences(bk, function, case, block_size, dtype, monkeypatch):
+    """The block path forced (the core's own, no framework kernel), its gradients against the
+    reference's finite differences: masks, fully masked rows, causality."""
+    from .forcing import force_blocks
+
+    needs_autodiff(bk)
+    MASK_CASES_SAVED = MASK_CASES.copy()
+    MASK_CASES.update(BLOCK_CASES)  # masked_backend_grads reads the case from MASK_CASES
+    try:
+        calls = force_blocks(monkeypatch, block_size)
+        got = masked_backend_grads(bk, function, case, dtype)
+    finally:
+        MASK_CASES.clear()
+        MASK_CASES.update(MASK_CASES_SAVED)
+    assert calls, "the call did not run in blocks"
+    assert_gradients_close(bk, got, block_finite_differences(function, case), dtype)
+
+
+def test_dot_product_in_blocks_has_its_own_gradient(bk):
+    """Every backend with autodiff registers the blocks' backward through its framework's own
+    mechanism (``Ops.custom_gradient``): the framework's differentiation of the loop would keep
+    every block of scores alive for the backward pass."""
+    from multiattn.protocol import Primitives
+
+    needs_autodiff(bk)
+    assert type(bk.module.ops).custom_gradient is not Primitives.custom_gradient

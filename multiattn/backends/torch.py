@@ -183,6 +183,11 @@ class TorchOps(Ops):
     def maximum(self, a, b):
         return torch.clamp_min(a, b) if isinstance(b, float) else torch.maximum(a, b)
 
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return forward(*tensors, *constants)
+        return _CustomGradient.apply(forward, backward, len(tensors), *tensors, *constants)
+
     def host_values(self, x):
         if x.device.type != "cpu" or torch.compiler.is_compiling():
             return None
@@ -274,6 +279,26 @@ class TorchOps(Ops):
             if n < n_keys:
                 weights[b, ..., n:] = 0.0
         return out, weights
+
+
+class _CustomGradient(torch.autograd.Function):
+    """``Ops.custom_gradient``: forward saves its inputs and outputs, backward is the core's."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, n_tensors, *args):
+        outputs = forward(*args)
+        ctx.set_materialize_grads(False)  # an unused output's cotangent stays None
+        ctx.backward, ctx.n_tensors, ctx.n_outputs = backward, n_tensors, len(outputs)
+        ctx.save_for_backward(*args, *outputs)
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *cotangents):
+        saved, n, n_out = ctx.saved_tensors, ctx.n_tensors, ctx.n_outputs
+        args, outputs = saved[: len(saved) - n_out], saved[len(saved) - n_out :]
+        grads = ctx.backward(args[:n], args[n:], outputs, cotangents)
+        return (None, None, None, *grads) + (None,) * (len(args) - n)
 
 
 def _sdpa(queries, keys, values, mask, scale, is_causal=False):
