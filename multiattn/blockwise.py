@@ -24,7 +24,7 @@ import os
 from typing import Any, Callable, List, Optional, Tuple
 
 from . import _machine
-from .masks import Masks
+from .masks import Masks, all_of, visible_values
 
 Tensor = Any
 Ops = Any
@@ -116,8 +116,6 @@ class Plan:
             found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
         if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
             found.append(ops.causal_mask(q1 - q0, k1 - k0, scores))
-        from .core import all_of  # core imports this module
-
         return all_of(ops, found, len(ops.shape(scores)))
 
 
@@ -196,8 +194,6 @@ def attention_in_blocks(
 def _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1):
     """A partial block's scores with the hidden ones -inf, and its value rows that no query
     of the block may see set to 0 (so that a NaN there cannot reach the output as 0 * NaN)."""
-    from .core import visible_values
-
     seen = plan.visibility(parts, s, q0, q1, k0, k1)
     return ops.where(seen, s, NEG_INF), visible_values(ops, v_block, seen)
 

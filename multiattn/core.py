@@ -17,7 +17,7 @@ import math
 from typing import Any, Callable, Mapping, Optional
 
 from . import blockwise, specialise
-from .masks import NO_MASKS, Masks
+from .masks import NO_MASKS, Masks, all_of, visibility, visible_values  # noqa: F401 (the steps')
 
 Tensor = Any
 Ops = Any  # protocol.Ops (not imported: protocol's specialisations build on this module)
@@ -33,7 +33,10 @@ def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS) -> Tensor:
     X is the caller's, never written."""
     if 0 in ops.shape(X):
         return ops.zeros(ops.shape(X), X)
-    return masked_weights(ops, X, None, masks, owned=False)[0]
+    weights = masked_weights(ops, X, None, masks, owned=False)[0]
+    if all_finite(ops, weights):
+        return weights
+    return masked_weights(ops, X, None, masks, owned=False, rows_may_be_blank=True)[0]  # the row rule
 
 
 def dot_product_attention(
@@ -64,14 +67,24 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
         if block_size is not None:
-            done = None
             if not (forced or need_lse):  # a framework's kernel that never holds the scores whole
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
-            if done is None:
-                out, lse = blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
-                return (out, None, lse) if need_lse else (out, None)
-            return done
-    if not need_lse:
+                if done is not None and all_finite(ops, done[0]):
+                    return done
+            out, lse = blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+            return (out, None, lse) if need_lse else (out, None)
+    args = (ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse)
+    result = _materialised(*args)
+    if all_finite(ops, result[0]):
+        return result
+    # some output is NaN or inf: were some row's scores all -inf, the frameworks' kernels
+    # would differ on it, so the formula, with the row rule, says what it is
+    return _materialised(*args, rows_may_be_blank=True)
+
+
+def _materialised(ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse, rows_may_be_blank=False):
+    """``dot_product_attention`` with the scores whole (or a framework's fused kernel)."""
+    if not (need_lse or rows_may_be_blank):
         done = specialise.run(
             ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
         )
@@ -79,7 +92,9 @@ def dot_product_attention(
             return done
     scores = dot_product_scores(ops, queries, keys, scale)
     lse = blockwise.log_sum_exp(ops, scores, visibility(ops, masks, scores)) if need_lse else None
-    out, weights = attend(ops, scores, values, masks, dropout, exact=need_weights)
+    out, weights = attend(
+        ops, scores, values, masks, dropout, exact=need_weights, rows_may_be_blank=rows_may_be_blank
+    )
     weights = weights if need_weights else None
     return (out, weights, lse) if need_lse else (out, weights)
 
@@ -115,6 +130,8 @@ def additive_attention(
             return out, None
     scores = additive_scores(ops, q_hidden, k_hidden, w_v, masks)
     out, weights = attend(ops, scores, values, masks, dropout)
+    if not all_finite(ops, out):  # the row rule, as in dot_product_attention
+        out, weights = attend(ops, scores, values, masks, dropout, rows_may_be_blank=True)
     return out, (weights if need_weights else None)
 
 
@@ -182,24 +199,57 @@ def attend(
     masks: Masks = NO_MASKS,
     dropout: Dropout = None,
     exact: bool = True,
+    rows_may_be_blank: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(attention pooling of values by the masked softmax of scores, the weights before
-    dropout), for scores the core made itself.  exact=False: only the output is wanted."""
-    weights, values = masked_weights(ops, scores, values, masks, owned=True, exact=exact)
+    dropout), for scores the core made itself.  exact=False: only the output is wanted.
+    rows_may_be_blank: as in ``masked_weights``."""
+    weights, values = masked_weights(
+        ops, scores, values, masks, owned=True, exact=exact, rows_may_be_blank=rows_may_be_blank
+    )
     return attention_pooling(ops, weights, values, dropout), weights
 
 
 def masked_weights(
-    ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool = True
+    ops: Ops,
+    scores: Tensor,
+    values: Optional[Tensor],
+    masks: Masks,
+    owned: bool,
+    exact: bool = True,
+    rows_may_be_blank: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """(the masked softmax of scores, values with the rows no query may see set to 0).
     owned: the scores are the core's own, and may be written.  exact=False: only the output
     is wanted, so with one length per sequence a row with nothing visible may keep any
-    weights: its sequence's values are all hidden, hence zeroed, and its output still 0."""
-    done = specialise.run(ops, "masked_softmax", scores, values, masks, owned, exact)
-    if done is not None:
-        return done
-    return softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=ops.softmax)
+    weights: its sequence's values are all hidden, hence zeroed, and its output still 0.
+    rows_may_be_blank: some row's scores may all be -inf; such a row gets weights 0 (the one
+    rule for rows with nothing to attend to), by the formula, where the framework's softmax
+    would give NaN."""
+    seen = rows_with_a_finite_score(ops, scores) if rows_may_be_blank else None
+    if seen is None:
+        done = specialise.run(ops, "masked_softmax", scores, values, masks, owned, exact)
+        if done is not None:
+            return done
+    weights, values = softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=ops.softmax)
+    return (weights if seen is None else ops.where(seen, weights, 0.0)), values
+
+
+def rows_with_a_finite_score(ops: Ops, scores: Tensor) -> Optional[Tensor]:
+    """Boolean (..., Q, 1), false where a row's scores are all -inf; None where, read on the
+    host, no row's are (a NaN row stays NaN: its max is NaN)."""
+    top = ops.max(scores, -1)
+    host = ops.host_values(top)
+    if host is not None and not (host == -math.inf).any():
+        return None
+    return top != -math.inf
+
+
+def all_finite(ops: Ops, x: Tensor) -> bool:
+    """Whether every value of x is finite, read on the host; False where it cannot be read
+    (traced: a graph keeps only the branch its result uses)."""
+    host = ops.host_values(x)
+    return host is not None and bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
 
 
 def softmax_where(
@@ -223,51 +273,6 @@ def softmax_where(
     if exact or not masks.one_length_per_sequence:
         weights = where(mask, weights, 0.0)
     return weights, values if values is None else visible_values(ops, values, mask)
-
-
-def visibility(
-    ops: Ops, masks: Masks, scores: Tensor = None, *, queries: Tensor = None, keys: Tensor = None
-) -> Optional[Tensor]:
-    """Which key each query may see, for scores (B, [H,] Q, K) (or, where there are none, a
-    fused kernel's, for queries and keys): j < valid_len, attention_mask and (causal) j <= i,
-    all of them (AND); None where every key is visible."""
-    if masks.none:
-        return None
-    if scores is not None:
-        like, rank, (n_queries, n_keys), key_axis = scores, len(ops.shape(scores)), ops.shape(scores)[-2:], -1
-    else:
-        like, rank, key_axis = queries, len(ops.shape(queries)), -2
-        n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
-    parts = []
-    if masks.valid_lens is not None:
-        parts.append(ops.length_mask(like if scores is not None else keys, masks.valid_lens, axis=key_axis))
-    if masks.attention_mask is not None:
-        parts.append(masks.attention_mask)
-    if masks.causal:
-        parts.append(ops.causal_mask(n_queries, n_keys, like))
-    return all_of(ops, parts, rank)
-
-
-def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
-    """The AND of boolean masks, each brought to the scores' rank: a 3-D mask against 4-D
-    scores is (B, Q, K), shared by the heads; smaller masks broadcast from the right."""
-    combined = None
-    for mask in masks:
-        mask_rank = len(ops.shape(mask))
-        if mask_rank == 3 and rank == 4:
-            mask, mask_rank = ops.expand_dims(mask, 1), 4
-        while mask_rank < rank:
-            mask, mask_rank = ops.expand_dims(mask, 0), mask_rank + 1
-        combined = mask if combined is None else ops.logical_and(combined, mask)
-    return combined
-
-
-def visible_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:
-    """values (B, [H,] K, v) with the rows no query may see (mask (..., 1|Q, K) false for all
-    of them) set to 0, so that a NaN or inf in the padding cannot reach the output as 0 * NaN."""
-    if ops.shape(mask)[-2] != 1:  # per-query visibility: a key is used if any query sees it
-        mask = ops.any(mask, -2)
-    return ops.where(ops.matrix_transpose(mask), values, 0.0)  # (..., 1, K) -> (..., K, 1)
 
 
 def attention_pooling(ops: Ops, weights: Tensor, values: Tensor, dropout: Dropout = None) -> Tensor:

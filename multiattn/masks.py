@@ -1,10 +1,12 @@
-"""What hides a key from a query, as one value from the public API to the core."""
+"""What hides a key from a query: one value from the public API to the core (``Masks``),
+and the boolean masks the core's steps make of it (``visibility``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 Tensor = Any
+Ops = Any  # protocol.Ops
 
 
 class Masks:
@@ -32,3 +34,51 @@ class Masks:
 
 
 NO_MASKS = Masks()
+
+
+# -- the masks as booleans, for the core's steps ------------------------------------------
+
+
+def visibility(
+    ops: Ops, masks: Masks, scores: Tensor = None, *, queries: Tensor = None, keys: Tensor = None
+) -> Optional[Tensor]:
+    """Which key each query may see, for scores (B, [H,] Q, K) (or, where there are none, a
+    fused kernel's, for queries and keys): j < valid_len, attention_mask and (causal) j <= i,
+    all of them (AND); None where every key is visible."""
+    if masks.none:
+        return None
+    if scores is not None:
+        like, rank, (n_queries, n_keys), key_axis = scores, len(ops.shape(scores)), ops.shape(scores)[-2:], -1
+    else:
+        like, rank, key_axis = queries, len(ops.shape(queries)), -2
+        n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    parts = []
+    if masks.valid_lens is not None:
+        parts.append(ops.length_mask(like if scores is not None else keys, masks.valid_lens, axis=key_axis))
+    if masks.attention_mask is not None:
+        parts.append(masks.attention_mask)
+    if masks.causal:
+        parts.append(ops.causal_mask(n_queries, n_keys, like))
+    return all_of(ops, parts, rank)
+
+
+def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
+    """The AND of boolean masks, each brought to the scores' rank: a 3-D mask against 4-D
+    scores is (B, Q, K), shared by the heads; smaller masks broadcast from the right."""
+    combined = None
+    for mask in masks:
+        mask_rank = len(ops.shape(mask))
+        if mask_rank == 3 and rank == 4:
+            mask, mask_rank = ops.expand_dims(mask, 1), 4
+        while mask_rank < rank:
+            mask, mask_rank = ops.expand_dims(mask, 0), mask_rank + 1
+        combined = mask if combined is None else ops.logical_and(combined, mask)
+    return combined
+
+
+def visible_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:
+    """values (B, [H,] K, v) with the rows no query may see (mask (..., 1|Q, K) false for all
+    of them) set to 0, so that a NaN or inf in the padding cannot reach the output as 0 * NaN."""
+    if ops.shape(mask)[-2] != 1:  # per-query visibility: a key is used if any query sees it
+        mask = ops.any(mask, -2)
+    return ops.where(ops.matrix_transpose(mask), values, 0.0)  # (..., 1, K) -> (..., K, 1)

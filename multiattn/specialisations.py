@@ -146,6 +146,7 @@ class Specialisations:
 
 
 OFFERS = (
+    "attend_by_flash_kernel",
     "attend_over_visible_keys",
     "attend_fused",
     "masked_softmax_writing_padding",

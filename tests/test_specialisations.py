@@ -42,6 +42,7 @@ OFFERED_BY = {
     "additive_scores_over_visible_keys": ("numpy", "paddle"),
     "attend_fused": ("torch", "jax", "mlx"),
     "attend_over_visible_keys": ("torch",),
+    "attend_by_flash_kernel": ("torch",),
 }
 
 

@@ -82,9 +82,10 @@ class NumpyOps(NumpyLikeOps):
 
 def _softmax_in_place(x: np.ndarray) -> np.ndarray:
     """Softmax over x's last axis, written into x (max-subtracted)."""
-    x -= x.max(axis=-1, keepdims=True, initial=-np.inf)
-    np.exp(x, out=x)
-    x /= x.sum(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore"):  # a row of -inf is NaN here; the core's row rule says 0
+        x -= x.max(axis=-1, keepdims=True, initial=-np.inf)
+        np.exp(x, out=x)
+        x /= x.sum(axis=-1, keepdims=True)
     return x
 
 

@@ -191,7 +191,8 @@ class TorchOps(Ops):
     def host_values(self, x):
         if x.device.type != "cpu" or torch.compiler.is_compiling():
             return None
-        return x.detach().numpy()
+        x = x.detach()
+        return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # numpy has no bfloat16
 
     # -- specialisations --------------------------------------------------------------------
 
