@@ -158,6 +158,11 @@ def attention_in_blocks(
     if score is None:
         score = lambda q, k: ops.scaled_matmul_t(q, k, scale)  # noqa: E731
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    if n_queries is None or n_keys is None:
+        raise ValueError(
+            f"block_size={block_size} needs the numbers of queries and keys known when the call is "
+            f"traced, got {n_queries} queries and {n_keys} keys (None: unknown)"
+        )
     plan = Plan(ops, masks, n_queries, n_keys, block_size)
     outs, lses = [], []
     for q0, q1 in plan.query_blocks:

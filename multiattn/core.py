@@ -125,7 +125,7 @@ def additive_attention(
         if block_size is not None:  # the framework differentiates the blocks itself
             out, _ = blockwise.attention_in_blocks(
                 ops, q_hidden, k_hidden, values, masks, block_size=block_size,
-                score=lambda q, k: additive_scores(ops, q, k, w_v),
+                score=lambda q, k: additive_scores(ops, q, k, ops.widen(w_v)),
             )  # fmt: skip
             return out, None
     scores = additive_scores(ops, q_hidden, k_hidden, w_v, masks)

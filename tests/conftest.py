@@ -115,3 +115,12 @@ def bk(request):
 def pair(request):
     a, b = request.param
     return harness(a), harness(b)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Each phase's report on the item (``item.rep_call``): fixtures check after a test
+    that passed what it must have done."""
+    report = yield
+    setattr(item, f"rep_{report.when}", report)
+    return report

@@ -9,7 +9,7 @@ import multiattn
 from multiattn import specialise
 
 from . import reference as ref
-from .forcing import force_fused
+from .forcing import force_blocks, force_fused
 from .tolerances import assert_close
 
 DTYPES = ["float32", "float64", "float16", "bfloat16"]
@@ -20,10 +20,33 @@ SHAPES = [(2, 3, 5, 4, 3, 3), (1, 1, 1, 2, 5, 1), (3, 4, 7, 8, 2, 6), (2, 3, 6, 
 SHAPE_IDS = ["2x3x5", "1x1x1", "3x4x7", "2x3x6v4"]
 
 
-@pytest.fixture(autouse=True, params=["specialised", "primitives_only"])
-def specialisations(request):
+# the tests whose calls without weights also run with the block path forced
+IN_BLOCKS = {
+    "test_dot_product_fast_path_without_weights",
+    "test_masks_on_every_function",
+    "test_multi_head_attention",
+    "test_multi_head_fused_kernel",
+    "test_rows_with_nothing_to_attend_to",
+}
+
+
+def pytest_generate_tests(metafunc):
+    if "path" in metafunc.fixturenames:
+        paths = ["specialised", "primitives_only"] + (["blocks"] * (metafunc.function.__name__ in IN_BLOCKS))
+        metafunc.parametrize("path", paths, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def path(request, monkeypatch):
     """The matrix twice: as the calls run, and with every specialisation off (the core's
-    formulas over the required primitives alone)."""
+    formulas over the required primitives alone); the tests of IN_BLOCKS a third time, with
+    every call without weights in blocks of 2 (``multiattn.blockwise``)."""
+    if request.param == "blocks":
+        calls = force_blocks(monkeypatch, 2)
+        yield
+        report = getattr(request.node, "rep_call", None)
+        assert calls or report is None or not report.passed, "no call ran in blocks"
+        return
     with specialise.primitives_only(request.param == "primitives_only"):
         yield
 
@@ -226,6 +249,8 @@ def test_masks_on_every_function(bk, dtype, mask, shape):
     )  # fmt: skip
     assert_close(bk, bk.call(layer, q, k, v, lens, **masks), want_out, dtype)
     assert_close(bk, layer.attention_weights, want_w, dtype)
+    canonical = {name: bk.tensor(w, dtype) for name, w in stored.items()}
+    assert_close(bk, multiattn.additive_attention(q, k, v, lens, **canonical, **masks), want_out, dtype)
 
 
 MULTI_HEAD_MASKS = ["none", "1d", "2d", "bool_mask", "int_mask", "head_mask", "causal", "lengths+mask+causal"]
@@ -296,3 +321,47 @@ def test_multi_head_fused_kernel(bk, dtype, mask, monkeypatch):
         bk.numpy(q), bk.numpy(k), bk.numpy(v), np_masks.pop("valid_lens"), rounded, shape[7], **np_masks
     )[0]
     assert_close(bk, got, want, dtype)
+
+
+# -- the row rule: a row with nothing to attend to gets 0 ----------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_with_nothing_to_attend_to(bk, dtype):
+    """A row whose visible keys are none, or whose visible scores are all -inf, gets weights 0,
+    output 0 and lse -inf, with or without masks, on every path; NaN in a visible score is NaN."""
+    supported(bk, dtype)
+    rng = np.random.default_rng(12)
+    X = rng.normal(size=(2, 4, 5))
+    X[0, 1] = -np.inf  # all -inf, nothing masked
+    X[1, 0, :3] = -np.inf  # its visible scores all -inf (lengths 3)
+    X[1, 2, 1] = np.nan
+    for lens in (None, np.array([5, 3])):
+        got = bk.numpy(multiattn.masked_softmax(bk.tensor(X, dtype), as_lens(bk, lens))).astype(np.float64)
+        assert (got[0, 1] == 0).all(), "a row of -inf scores must be 0"
+        if lens is not None:
+            assert (got[1, 0] == 0).all(), "a row whose visible scores are -inf must be 0"
+        assert np.isnan(got[1, 2, 1]), "NaN in a visible score must stay NaN"
+        ok = np.ones(X.shape, bool)
+        ok[0, 1] = ok[1, 0] = ok[1, 2] = False
+        assert not np.isnan(got[ok]).any()
+
+    q = np.ones((2, 3, 4))
+    q[0, 0] = np.inf  # its scores all -inf: the keys are negative
+    q[1, 2, 1] = np.nan
+    k = -rng.uniform(0.5, 1.0, size=(2, 5, 4))
+    v = rng.normal(size=(2, 5, 3))
+    lens = np.array([5, 0])  # the second sequence sees nothing
+    tensors = [bk.tensor(x, dtype) for x in (q, k, v)]
+    out, weights, lse = multiattn.dot_product_attention(
+        *tensors, bk.tensor(lens), return_weights=True, return_lse=True
+    )
+    fast = multiattn.dot_product_attention(*tensors, bk.tensor(lens))
+    for got in (bk.numpy(out), bk.numpy(weights), bk.numpy(fast)):
+        got = got.astype(np.float64)
+        assert (got[0, 0] == 0).all() and (got[1] == 0).all(), "rows with nothing to attend to must be 0"
+        assert not np.isnan(got[0, 1:]).any()
+    lse = bk.numpy(lse).astype(np.float64)
+    assert (lse[0, 0] == -np.inf) and (lse[1] == -np.inf).all() and np.isfinite(lse[0, 1:]).all()
+    unmasked = bk.numpy(multiattn.dot_product_attention(*tensors)).astype(np.float64)
+    assert (unmasked[0, 0] == 0).all() and np.isnan(unmasked[1, 2]).any()

@@ -138,6 +138,11 @@ class MxnetOps(Ops):
     def host_values(self, x):
         return x.asnumpy()
 
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        if not autograd.is_recording():
+            return forward(*tensors, *constants)
+        return _CustomGradient(forward, backward, constants)(*map(_anchored, tensors))
+
     # -- specialisations --------------------------------------------------------------------
 
     # mxnet's `where` is slow next to its sequence mask (a select, so NaN in the padding stays
@@ -191,6 +196,35 @@ class MxnetOps(Ops):
         groups = values.size // (values.shape[0] * n_keys * values.shape[-1])
         flat = values.reshape(-1, n_keys, values.shape[-1])
         return _sequence_mask(flat, onp.repeat(lengths, groups), 0.0).reshape(values.shape)
+
+
+class _CustomGradient(autograd.Function):
+    """``Ops.custom_gradient``: forward saves its inputs and outputs, backward is the core's;
+    the constants are held, not inputs (mxnet's Function wants a gradient for every input)."""
+
+    def __init__(self, forward, backward, constants):
+        super().__init__()
+        self._forward, self._backward, self._constants = forward, backward, constants
+
+    def forward(self, *tensors):
+        outputs = self._forward(*tensors, *self._constants)
+        self.save_for_backward(tensors, outputs)
+        return outputs
+
+    def backward(self, *cotangents):
+        tensors, outputs = self.saved_tensors
+        # Function hands over and takes back legacy NDArrays, not mxnet.np arrays
+        cotangents = tuple(c.as_np_ndarray() for c in cotangents)
+        grads = self._backward(tensors, self._constants, outputs, cotangents)
+        return tuple(g.as_nd_ndarray() for g in grads)
+
+
+def _anchored(x):
+    """x through one recorded op from an attached zero, so its gradient is always written:
+    mxnet 1.9's Function skips every input after one that needs none, and ignores grad_req='add'."""
+    anchor = np.zeros((), dtype=x.dtype, ctx=x.ctx)
+    anchor.attach_grad()
+    return x + anchor
 
 
 def _on_cpu(x) -> bool:

@@ -156,6 +156,16 @@ class PaddleOps(Ops):
     def host_values(self, x):
         return x.numpy() if paddle.in_dynamic_mode() and x.place.is_cpu_place() else None
 
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        # dynamic mode only: to_static's PyLayer takes tensor arguments alone, and no set_materialize_grads
+        if not (
+            paddle.in_dynamic_mode()
+            and paddle.is_grad_enabled()
+            and any(not t.stop_gradient for t in tensors)
+        ):
+            return forward(*tensors, *constants)
+        return _CustomGradient.apply(forward, backward, len(tensors), *tensors, *constants)
+
     # -- specialisations --------------------------------------------------------------------
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
@@ -184,6 +194,28 @@ class PaddleOps(Ops):
             if arg != "valid_lens" and x is not None and x.dtype in _HALF and x.place.is_cpu_place():
                 kernels = _NO_HALF.format("matmul, tanh and where")
                 raise InputDtypeError(f"{arg} is {x.dtype} on the CPU, but {kernels}; use float32 (or a GPU)")
+
+
+class _CustomGradient(paddle.autograd.PyLayer):
+    """``Ops.custom_gradient``: forward saves its inputs and outputs, backward is the core's."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, n_tensors, *args):
+        outputs = forward(*args)
+        ctx.set_materialize_grads(False)  # an unused output's cotangent stays None
+        ctx.core_backward, ctx.n_outputs = backward, len(outputs)  # not ctx.backward: paddle calls that
+        ctx.needs_grad = [not t.stop_gradient for t in args[:n_tensors]]
+        ctx.save_for_backward(*args, *outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, *cotangents):
+        saved, n = ctx.saved_tensor(), len(ctx.needs_grad)
+        args, outputs = saved[: len(saved) - ctx.n_outputs], saved[len(saved) - ctx.n_outputs :]
+        grads = ctx.core_backward(args[:n], args[n:], outputs, cotangents)
+        # paddle wants one per tensor input, None (and only None) where it needs no gradient
+        grads = [g if needed else None for g, needed in zip(grads, ctx.needs_grad)]
+        return (*grads, *[None] * (len(args) - n))
 
 
 def _cpu_lengths(x, lens) -> Optional[list]:

@@ -149,6 +149,21 @@ class TensorFlowOps(Ops):
     def host_values(self, x):
         return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
 
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        n = len(tensors)
+
+        @tf.custom_gradient
+        def wrapped(*args):
+            # stop_gradient: else the tape would record, and keep, every block of the forward
+            outputs = forward(*map(tf.stop_gradient, args))
+
+            def grad(*cotangents):
+                return (*backward(args[:n], args[n:], outputs, cotangents), *[None] * (len(args) - n))
+
+            return outputs, grad
+
+        return wrapped(*tensors, *constants)
+
 
 def _dims(x: tf.Tensor) -> list:
     """x's dimensions, static where known, else read at run time (a traced graph)."""
