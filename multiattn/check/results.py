@@ -1,7 +1,7 @@
 """check's results as files, and what every part of check reads off them.
 
 A result is ``{"version", "status", "cases": {case name: {"status", "out", "weights", "fast",
-"grads", "modified"}}}`` (``--native``'s also carry ``backend``, ``kind`` and
+"blocks", "grads", "block_grads", "modified"}}}`` (``--native``'s also carry ``backend``, ``kind`` and
 ``framework_version``).  Here: the framework version a result names, the worker's files (one
 ``.npz`` per backend; a directory of them and an index for ``--native``), the files of
 ``check --json`` and ``multiattn report``, and the split of the natives that ran from those that
@@ -27,6 +27,9 @@ from .._registry import BACKENDS
 Results = Dict[str, dict]
 
 
+ARRAYS = ("out", "weights", "fast", "blocks")  # a case's arrays (blocks: the block path forced)
+GRADIENTS = {"grads": "grad", "block_grads": "block_grad"}  # its gradients by argument: file key
+
 def framework_version(name: str) -> str:
     """The ``__version__`` of backend name's framework, once imported ('?' before, or without one)."""
     module = sys.modules.get(BACKENDS[name][0])
@@ -44,13 +47,15 @@ def save_results(results: Dict[str, Any], path: str) -> None:
         meta["cases"][case] = {
             "status": result["status"],
             "grads": sorted(result.get("grads", {})),
+            "block_grads": sorted(result.get("block_grads", {})),
             **({"modified": result["modified"]} if result.get("modified") else {}),
         }
-        for key in ("out", "weights", "fast"):
+        for key in ARRAYS:
             if key in result:
                 arrays[f"{case}|{key}"] = result[key]
-        for arg, grad in result.get("grads", {}).items():
-            arrays[f"{case}|grad|{arg}"] = grad
+        for key, stored in GRADIENTS.items():
+            for arg, grad in result.get(key, {}).items():
+                arrays[f"{case}|{stored}|{arg}"] = grad
     np.savez(path, meta=np.array(json.dumps(meta)), **arrays)
 
 
@@ -63,11 +68,12 @@ def load_results(path: str) -> Dict[str, Any]:
             result: Dict[str, Any] = {"status": info["status"]}
             if info.get("modified"):
                 result["modified"] = info["modified"]
-            for key in ("out", "weights", "fast"):
+            for key in ARRAYS:
                 if f"{case}|{key}" in data:
                     result[key] = data[f"{case}|{key}"]
-            if info["grads"]:
-                result["grads"] = {arg: data[f"{case}|grad|{arg}"] for arg in info["grads"]}
+            for key, stored in GRADIENTS.items():
+                if info.get(key):
+                    result[key] = {arg: data[f"{case}|{stored}|{arg}"] for arg in info[key]}
             results["cases"][case] = result
     return results
 
@@ -115,11 +121,12 @@ def _to_lists(value):
 
 def _to_arrays(case: dict) -> dict:
     out = dict(case)
-    for key in ("out", "weights", "fast"):
+    for key in ARRAYS:
         if key in out:
             out[key] = np.asarray(out[key], dtype=np.float64)
-    if "grads" in out:
-        out["grads"] = {k: np.asarray(v, dtype=np.float64) for k, v in out["grads"].items()}
+    for key in GRADIENTS:
+        if key in out:
+            out[key] = {k: np.asarray(v, dtype=np.float64) for k, v in out[key].items()}
     return out
 
 

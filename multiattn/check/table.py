@@ -111,18 +111,20 @@ def _compare_case(row, case, backend, results, tol, overrides) -> None:
         errors["weights"] = _err(mine["weights"], want["weights"])
     if "fast" in mine:  # the no-weights path (fused kernels), compared with the same reference
         errors["output without weights"] = _err(mine["fast"], want["out"])
+    if "blocks" in mine:  # the block path forced
+        errors["output in blocks"] = _err(mine["blocks"], want["out"])
     err = max(errors.values())
     row.ref_error = max(row.ref_error or 0.0, err)
     if not err <= tol * scale:
         _fail(row, f"{case.mask}: {explain(case, mine, errors, tol * scale)}")
-    if "grads" in mine:
-        for arg, grad in mine["grads"].items():
+    for key, path in (("grads", ""), ("block_grads", " in blocks")):
+        for arg, grad in mine.get(key, {}).items():
             g_err = _err(grad, want["grads"][arg])
             row.grad_error = max(row.grad_error or 0.0, g_err)
             g_tol = 10 * tol * _scale(want["grads"][arg])
             if not g_err <= g_tol:
                 what = "NaN" if np.isnan(grad).any() else f"{g_err:.2g} from the reference > {g_tol:.2g}"
-                _fail(row, f"{case.mask}: gradient of {arg} {what}")
+                _fail(row, f"{case.mask}: gradient{path} of {arg} {what}")
     for other, res in results.items():
         theirs = res["cases"].get(case.name, {}) if res["status"] == "ok" else {}
         if other == backend or theirs.get("status") != "ok":
@@ -152,12 +154,12 @@ def explain(case: Case, mine: dict, errors: Dict[str, float], tol: float) -> str
     """Why a case failed, in words: NaN, the fully masked rows' weights, or the largest error."""
     want_weights = case.expected["weights"]
     dead = want_weights.sum(-1) == 0  # rows where the reference sees no key
-    for key in ("out", "weights", "fast"):
+    for key in ("out", "weights", "fast", "blocks"):
         got = mine.get(key)
         if got is None:
             continue
         got = np.asarray(got, dtype=np.float64)
-        name = {"out": "output", "weights": "weights", "fast": "output without weights"}[key]
+        name = {"out": "output", "weights": "weights", "fast": "output without weights", "blocks": "output in blocks"}[key]
         if got.shape != (want_weights if key == "weights" else case.expected["out"]).shape:
             want_shape = (want_weights if key == "weights" else case.expected["out"]).shape
             return f"{name} has shape {got.shape}, reference {want_shape}"

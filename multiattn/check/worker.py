@@ -17,6 +17,9 @@ from .cases import NUM_HEADS, Case, make_cases
 from .results import framework_version, save_native, save_results
 
 
+BLOCK_SIZE = 2  # the cases' 3 queries and 5 keys: partial blocks, a last block shorter
+
+
 def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     tensors = {arg: module.from_numpy(value, case.dtype) for arg, value in case.inputs.items()}
     lens = None if case.valid_lens is None else module.from_numpy(case.valid_lens)
@@ -25,6 +28,7 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
 
     run: Callable[..., Any]
     fast: Callable[..., Any] = None  # the no-weights path (fused kernels), which must agree too
+    blocks: Callable[..., Any] = None  # the no-weights path in blocks forced (multiattn.blockwise)
     order = list(case.inputs)
     if case.function == "masked_softmax":
 
@@ -40,16 +44,22 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
         def fast(q, k, v):
             return module.dot_product_attention(q, k, v, lens, **masks)
 
+        def blocks(q, k, v):
+            return module.dot_product_attention(q, k, v, lens, block_size=BLOCK_SIZE, **masks)
+
     elif case.function == "multi_head":
 
-        def run(q, k, v, *weights, return_weights=True):
+        def run(q, k, v, *weights, return_weights=True, block_size=None):
             return module.multi_head_attention(
                 q, k, v, lens, weights=dict(zip(order[3:], weights)), num_heads=NUM_HEADS,
-                return_weights=return_weights, **masks,
+                return_weights=return_weights, block_size=block_size, **masks,
             )  # fmt: skip
 
         def fast(*args):
             return run(*args, return_weights=False)
+
+        def blocks(*args):
+            return run(*args, return_weights=False, block_size=BLOCK_SIZE)
 
     else:
 
@@ -58,15 +68,25 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
                 q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, return_weights=True, **masks
             )
 
+        def blocks(q, k, v, W_q, W_k, w_v):
+            return module.additive_attention(
+                q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v, block_size=BLOCK_SIZE, **masks
+            )
+
     args = [tensors[a] for a in order]
     out, weights = run(*args)
     result: Dict[str, Any] = {"out": module.to_numpy(out), "weights": module.to_numpy(weights)}
     if fast is not None:
         result["fast"] = module.to_numpy(fast(*args))
+    if blocks is not None:
+        result["blocks"] = module.to_numpy(blocks(*args))
     if case.wants_grads and module.vjp is not None:
         cotangent = module.from_numpy(case.cotangent, case.dtype)
         _, grads = module.vjp(lambda *xs: run(*xs)[0], args, cotangent)
         result["grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}
+        if blocks is not None:
+            _, grads = module.vjp(blocks, args, cotangent)
+            result["block_grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}
     return result
 
 
