@@ -209,7 +209,7 @@ def _finite(ops: Ops, m: Tensor) -> Tensor:
     return ops.maximum(m, ops.lowest(m))
 
 
-TINY = 1e-30  # below any l but 0 (l >= 1 once a score is visible), normal in float32
+TINY = 1e-18  # below any l but 0 (l >= 1 once a score is visible); its square normal in float32
 
 
 # -- backward --------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 
 from .. import fast_paths
 from ..functional import bind
@@ -37,6 +38,28 @@ class JaxOps(NumpyLikeOps):
 
     def host_values(self, x):
         return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        if not any(isinstance(t, jax.core.Tracer) for t in tensors):
+            return forward(*tensors, *constants)  # concrete: nothing differentiates it
+        n = len(tensors)
+        # the constants are arguments, not closed over: custom_vjp refuses closed-over tracers
+        function = jax.custom_vjp(lambda *args: tuple(forward(*args)))
+
+        def fwd(*primals):  # symbolic_zeros: each argument comes wrapped with its .value
+            args = tuple(p.value for p in primals)
+            outputs = tuple(forward(*args))
+            return outputs, (args, outputs)
+
+        def bwd(saved, cotangents):
+            args, outputs = saved
+            # an unused output's cotangent is a symbolic zero: None for backward, no work
+            cotangents = tuple(None if isinstance(c, SymbolicZero) else c for c in cotangents)
+            grads = backward(args[:n], args[n:], outputs, cotangents)
+            return (*grads, *(None,) * (len(args) - n))  # None: the constants' zero cotangent
+
+        function.defvjp(fwd, bwd, symbolic_zeros=True)
+        return function(*tensors, *constants)
 
     def softmax(self, x):
         if x.dtype in _HALF:

@@ -48,8 +48,24 @@ class MlxOps(NumpyLikeOps):
     def where(self, mask, x, fill):
         return mx.where(mask, x, fill)  # a Python float is weakly typed: x's dtype stays
 
+    def custom_gradient(self, forward, backward, tensors, constants=()):
+        n = len(tensors)
+        # the constants are inputs too: a captured array would be a constant of the graph
+        function = mx.custom_function(lambda *args: tuple(forward(*args)))
+
+        @function.vjp
+        def _(primals, cotangents, outputs):
+            grads = backward(tuple(primals[:n]), tuple(primals[n:]), tuple(outputs), tuple(cotangents))
+            # zeros, not None: mlx would hand a None's place a wrong gradient
+            return (*grads, *(mx.zeros_like(c) for c in primals[n:]))
+
+        return function(*tensors, *constants)
+
     def host_values(self, x):
-        return np.array(x)
+        try:
+            return np.array(x)
+        except ValueError:  # mx.compile and mx.vmap refuse the eval: values unknown there
+            return None
 
     def settle(self, x):
         # mlx is lazy: without this one graph holds every additive block's features at once.
