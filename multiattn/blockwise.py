@@ -19,6 +19,7 @@ Half types are computed in float32 (``ops.widen``).  Written once, over ``protoc
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Callable, List, Optional, Tuple
@@ -104,19 +105,21 @@ class Plan:
                     parts.append("mask")
         return (PARTIAL if parts else FULL), tuple(parts)
 
-    def visibility(self, parts: Tuple[str, ...], scores: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
-        """The boolean mask of a PARTIAL block (B, [H,] bq, bk), broadcastable to its scores."""
+    def visibility(
+        self, parts: Tuple[str, ...], q_block: Tensor, k_block: Tensor, q0: int, q1: int, k0: int, k1: int
+    ) -> Tensor:
+        """The boolean mask of a PARTIAL block, broadcastable to its scores (B, [H,] bq, bk)."""
         ops, masks = self.ops, self.masks
         found = []
         if "lengths" in parts:
             lens = masks.valid_lens
             lens = lens if len(ops.shape(lens)) == 1 else lens[:, q0:q1]
-            found.append(ops.length_mask(scores, lens - k0))
+            found.append(ops.length_mask(k_block, lens - k0, axis=-2))
         if "mask" in parts:
             found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
         if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
-            found.append(ops.causal_mask(q1 - q0, k1 - k0, scores))
-        return all_of(ops, found, len(ops.shape(scores)))
+            found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
+        return all_of(ops, found, len(ops.shape(q_block)))
 
 
 def _block_of(mask: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
@@ -155,39 +158,35 @@ def attention_in_blocks(
     ``scale * q k^T``); queries and keys are whatever it takes, blocked along axis -2."""
     like = values
     queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
-    if score is None:
-        score = lambda q, k: ops.scaled_matmul_t(q, k, scale)  # noqa: E731
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
     if n_queries is None or n_keys is None:
         raise ValueError(
             f"block_size={block_size} needs the numbers of queries and keys known when the call is "
             f"traced, got {n_queries} queries and {n_keys} keys (None: unknown)"
         )
+    if score is None:
+        queries = queries * scale  # once, not per block
     plan = Plan(ops, masks, n_queries, n_keys, block_size)
+    first, update = _steps(ops, score, len(plan.query_blocks) * len(plan.key_blocks))
+    key_blocks = [(rows(keys, k0, k1), rows(values, k0, k1)) for k0, k1 in plan.key_blocks]
     outs, lses = [], []
     for q0, q1 in plan.query_blocks:
         q_block = rows(queries, q0, q1)
-        m = l = o = None
-        for k0, k1 in plan.key_blocks:
+        state = None
+        for (k0, k1), (k_block, v_block) in zip(plan.key_blocks, key_blocks):
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            s, v_block = score(q_block, rows(keys, k0, k1)), rows(values, k0, k1)
-            if kind == PARTIAL:
-                s, v_block = _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1)
-            m_new = ops.max(s, -1) if m is None else ops.maximum(m, ops.max(s, -1))
-            p = ops.exp(s - _finite(ops, m_new))
-            if m is None:
-                l, o = ops.sum(p, -1), ops.matmul(p, v_block)
+            seen = () if kind == FULL else (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
+            if state is None:
+                state = first[kind == PARTIAL](q_block, k_block, v_block, *seen)
             else:
-                rescale = ops.exp(_finite(ops, m) - _finite(ops, m_new))
-                l, o = rescale * l + ops.sum(p, -1), rescale * o + ops.matmul(p, v_block)
-            m = m_new
-        if m is None:  # every key block hidden: nothing to attend to
+                state = update[kind == PARTIAL](q_block, k_block, v_block, *state, *seen)
+        if state is None:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
-            o = ops.zeros(shape + (ops.shape(values)[-1],), values)
             l = ops.zeros(shape + (1,), values)
-            m = l  # lse = m + log 0 = -inf
+            state = l, l, ops.zeros(shape + (ops.shape(values)[-1],), values)  # lse = 0 + log 0
+        m, l, o = state
         ops.settle(o)
         outs.append(o / ops.maximum(l, TINY))  # l is 0 only where o is 0
         lses.append(_finite(ops, m) + ops.log(l))
@@ -196,11 +195,68 @@ def attention_in_blocks(
     return ops.cast(out, like), lse
 
 
-def _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1):
+def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
+    """One key block into the running (m, l, O): m' = max(m, rowmax S), P = exp(S - m'),
+    l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V."""
+    if state is None:
+        m_new = ops.max(s, -1)
+        p = ops.exp(s - _finite(ops, m_new))
+        return m_new, ops.sum(p, -1), ops.matmul(p, v)
+    m, l, o = state
+    m_new = ops.maximum(m, ops.max(s, -1))
+    top = _finite(ops, m_new)
+    p, rescale = ops.exp(s - top), ops.exp(_finite(ops, m) - top)
+    return m_new, rescale * l + ops.sum(p, -1), rescale * o + ops.matmul(p, v)
+
+
+def _masked(ops: Ops, s: Tensor, v: Tensor, seen: Tensor) -> tuple:
     """A partial block's scores with the hidden ones -inf, and its value rows that no query
     of the block may see set to 0 (so that a NaN there cannot reach the output as 0 * NaN)."""
-    seen = plan.visibility(parts, s, q0, q1, k0, k1)
-    return ops.where(seen, s, NEG_INF), visible_values(ops, v_block, seen)
+    return ops.where(seen, s, NEG_INF), visible_values(ops, v, seen)
+
+
+def _first(ops, score, q, k, v):
+    return _online(ops, score(q, k), v)
+
+
+def _first_masked(ops, score, q, k, v, seen):
+    return _online(ops, *_masked(ops, score(q, k), v, seen))
+
+
+def _update(ops, score, q, k, v, m, l, o):
+    return _online(ops, score(q, k), v, (m, l, o))
+
+
+def _update_masked(ops, score, q, k, v, m, l, o, seen):
+    return _online(ops, *_masked(ops, score(q, k), v, seen), (m, l, o))
+
+
+_COMPILED: dict = {}
+
+
+COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
+
+
+def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
+    """((first block, first block masked), (next block, next block masked)), each a function
+    of tensors alone; for dot-product scores over at least COMPILE_MIN_BLOCKS blocks through
+    the framework's compiler where it offers one (``ops.compiled``), made once per process."""
+    if score is None and n_blocks < COMPILE_MIN_BLOCKS:
+        score = ops.matmul_t
+    if score is not None:  # as it is (or a closure over the caller's weights)
+        return tuple(
+            (functools.partial(plain, ops, score), functools.partial(masked, ops, score))
+            for plain, masked in ((_first, _first_masked), (_update, _update_masked))
+        )
+    steps = _COMPILED.get(id(ops))
+    if steps is None or steps[0] is not ops:
+        made = tuple(
+            (ops.compiled(functools.partial(plain, ops, ops.matmul_t)),
+             ops.compiled(functools.partial(masked, ops, ops.matmul_t)))
+            for plain, masked in ((_first, _first_masked), (_update, _update_masked))
+        )  # fmt: skip
+        steps = _COMPILED[id(ops)] = (ops, made)
+    return steps[1]
 
 
 def _finite(ops: Ops, m: Tensor) -> Tensor:
@@ -241,21 +297,28 @@ def attention_in_blocks_backward(
     if d_lse is not None:
         row_dot = row_dot - ops.widen(d_lse)
     lse = _finite(ops, lse)
-    d_queries: List[Optional[Tensor]] = [None] * len(plan.query_blocks)
+    scaled = queries * scale
+    query_blocks = [
+        (rows(queries, q0, q1), rows(scaled, q0, q1), rows(d_out, q0, q1), rows(lse, q0, q1), rows(row_dot, q0, q1))
+        for q0, q1 in plan.query_blocks
+    ]
+    d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
     d_keys, d_values = [], []
     for k0, k1 in plan.key_blocks:
         k_block, v_block = rows(keys, k0, k1), rows(values, k0, k1)
         dk = dv = None
-        for i, (q0, q1) in enumerate(plan.query_blocks):
+        for i, ((q0, q1), (q_block, q_scaled, do_block, lse_block, dot_block)) in enumerate(
+            zip(plan.query_blocks, query_blocks)
+        ):
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            q_block, do_block = rows(queries, q0, q1), rows(d_out, q0, q1)
-            s, v_seen = ops.scaled_matmul_t(q_block, k_block, scale), v_block
+            s, v_seen = ops.matmul_t(q_scaled, k_block), v_block
             if kind == PARTIAL:
-                s, v_seen = _masked(ops, plan, parts, s, v_block, q0, q1, k0, k1)
-            p = ops.exp(s - rows(lse, q0, q1))
-            ds = p * (ops.matmul_t(do_block, v_seen) - rows(row_dot, q0, q1))
+                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
+                s, v_seen = _masked(ops, s, v_block, seen)
+            p = ops.exp(s - lse_block)
+            ds = p * (ops.matmul_t(do_block, v_seen) - dot_block)
             dv_part = ops.matmul(ops.matrix_transpose(p), do_block)
             dk_part = ops.matmul(ops.matrix_transpose(ds), q_block)
             dq_part = ops.matmul(ds, k_block)
@@ -264,11 +327,12 @@ def attention_in_blocks_backward(
             d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
         if dk is None:  # no query sees this key block
             dk, dv = ops.zeros(ops.shape(k_block), k_block), ops.zeros(ops.shape(v_block), v_block)
+        ops.settle(dk)
         d_keys.append(dk * scale)
         d_values.append(dv)
     d_queries = [
-        ops.zeros(ops.shape(rows(queries, q0, q1)), queries) if dq is None else dq * scale
-        for dq, (q0, q1) in zip(d_queries, plan.query_blocks)
+        ops.zeros(ops.shape(q_block), q_block) if dq is None else dq * scale
+        for dq, (q_block, *_) in zip(d_queries, query_blocks)
     ]
     joined = [(parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)]
     return tuple(ops.cast(g, like) for g, like in zip(joined, (like_q, like_k, like_v)))

@@ -185,6 +185,11 @@ class Primitives:
         framework's own differentiation of it)."""
         return forward(*tensors, *constants)
 
+    def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """step (a function of tensors alone, called many times with a few shapes) through the
+        framework's compiler where that pays; the default: step itself."""
+        return step
+
     def settle(self, x: Tensor) -> None:
         """Compute x now, in a lazy framework, so that what it was computed from can be freed
         (a no-op in eager frameworks and inside compiled or vectorised functions)."""

@@ -155,10 +155,9 @@ def test_the_plan_skips_hidden_blocks_and_masks_only_partial_ones():
 
 def test_causal_and_lengths_compute_only_the_visible_blocks(bk, monkeypatch):
     calls = []
-    real = bk.module.ops.scaled_matmul_t
-    monkeypatch.setattr(
-        type(bk.module.ops), "scaled_matmul_t", lambda self, a, b, s: calls.append(1) or real(a, b, s)
-    )
+    real = bk.module.ops.matmul_t
+    monkeypatch.setattr(type(bk.module.ops), "matmul_t", lambda self, a, b: calls.append(1) or real(a, b))
+    monkeypatch.setattr(blockwise, "_COMPILED", {})  # steps made anew, with the counting matmul_t
     q = bk.tensor(np.random.default_rng(1).normal(size=(1, 16, 4)), "float32")
     multiattn.dot_product_attention(q, q, q, causal=True, block_size=4)
     assert len(calls) == 4 * 5 // 2, "causal: the blocks on and below the diagonal only"
@@ -253,3 +252,38 @@ def test_block_size_with_weights_is_an_error(bk):
         multiattn.dot_product_attention(q, q, q, block_size=4, return_weights=True)
     with pytest.raises(TypeError, match="return_lse must be True or False"):
         multiattn.dot_product_attention(q, q, q, return_lse=1)
+
+
+@pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
+def test_the_compiled_block_steps_match_the_reference(bk, kind, monkeypatch):
+    """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
+    here at a small size, with gradients."""
+    monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
+    monkeypatch.setattr(blockwise, "_COMPILED", {})
+    rng = np.random.default_rng(6)
+    B, Q, K = 2, 6, 7
+    q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))
+    lens, mask, causal = case(kind, B, Q, K, rng)
+    t_lens, t_mask = tensors(bk, "float32", lens, mask)
+    args = [bk.tensor(x, "float32") for x in (q, k, v)]
+    fn = lambda q, k, v: multiattn.dot_product_attention(  # noqa: E731
+        q, k, v, t_lens, attention_mask=t_mask, causal=causal, block_size=3
+    )
+    assert_close(bk, fn(*args), ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0], "float32")
+    if bk.module.vjp is not None:
+        from .test_gradients import assert_gradients_close
+
+        cotangent = rng.normal(size=(B, Q, 3))
+        _, grads = bk.module.vjp(fn, args, bk.tensor(cotangent, "float32"))
+        step, want = 1e-6, {}
+        for name, x in zip("qkv", (q, k, v)):
+            grad = np.zeros_like(x)
+            for idx in np.ndindex(x.shape):
+                for sign in (1, -1):
+                    shifted = [a.copy() for a in (q, k, v)]
+                    shifted["qkv".index(name)][idx] += sign * step
+                    out = ref.dot_product_attention(*shifted, lens, attention_mask=mask, causal=causal)[0]
+                    grad[idx] += sign * float(np.sum(out * cotangent))
+            want[name] = grad / (2 * step)
+        got = {name: bk.numpy(g).astype(np.float64) for name, g in zip("qkv", grads)}
+        assert_gradients_close(bk, got, want, "float32")

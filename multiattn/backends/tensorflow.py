@@ -146,6 +146,10 @@ class TensorFlowOps(Ops):
     def maximum(self, a, b):
         return tf.maximum(a, tf.constant(b, dtype=a.dtype) if isinstance(b, float) else b)
 
+    def compiled(self, step):
+        # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own
+        return tf.function(step, jit_compile=True)
+
     def host_values(self, x):
         return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
 
