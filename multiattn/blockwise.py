@@ -185,11 +185,13 @@ def attention_in_blocks(
         if state is None:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
             l = ops.zeros(shape + (1,), values)
-            state = l, l, ops.zeros(shape + (ops.shape(values)[-1],), values)  # lse = 0 + log 0
+            state = ops.log(l), l, ops.zeros(shape + (ops.shape(values)[-1],), values)  # m = -inf
         m, l, o = state
         ops.settle(o)
-        outs.append(o / ops.maximum(l, TINY))  # l is 0 only where o is 0
-        lses.append(_finite(ops, m) + ops.log(l))
+        # m is -inf where no visible score was finite: 0 there, even where a framework's
+        # exp(-inf) is a denormal rather than 0 (paddle's), which would leave l and o not 0
+        outs.append(ops.where(m != NEG_INF, o / ops.maximum(l, TINY), 0.0))
+        lses.append(m + ops.log(l))
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
@@ -373,8 +375,8 @@ def log_sum_exp(ops: Ops, scores: Tensor, mask: Optional[Tensor]) -> Tensor:
     scores = ops.widen(scores)
     if mask is not None:
         scores = ops.where(mask, scores, NEG_INF)
-    top = _finite(ops, ops.max(scores, -1))
-    return (top + ops.log(ops.sum(ops.exp(scores - top), -1)))[..., 0]
+    top = ops.max(scores, -1)  # -inf where none is visible: the sum's log is then any number
+    return (top + ops.log(ops.sum(ops.exp(scores - _finite(ops, top)), -1)))[..., 0]
 
 
 def no_lse(ops: Ops, out: Tensor) -> Tensor:
@@ -395,12 +397,11 @@ def combine(ops: Ops, parts: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tenso
     top = lses[0]
     for lse in lses[1:]:
         top = ops.maximum(top, lse)
-    top = _finite(ops, top)
     total = None
     for lse in lses:
-        term = ops.exp(lse - top)
+        term = ops.exp(lse - _finite(ops, top))
         total = term if total is None else total + term
-    merged = top + ops.log(total)
+    merged = top + ops.log(total)  # -inf where every part's is
     out = None
     for (part, _), lse in zip(parts, lses):
         term = ops.widen(part) * ops.exp(lse - _finite(ops, merged))

@@ -13,6 +13,7 @@ scores and weights (B, [H,] Q, K), valid_lens (B,) or (B, Q), attention_mask boo
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Mapping, Optional
 
@@ -223,26 +224,25 @@ def masked_weights(
     owned: the scores are the core's own, and may be written.  exact=False: only the output
     is wanted, so with one length per sequence a row with nothing visible may keep any
     weights: its sequence's values are all hidden, hence zeroed, and its output still 0.
-    rows_may_be_blank: some row's scores may all be -inf; such a row gets weights 0 (the one
-    rule for rows with nothing to attend to), by the formula, where the framework's softmax
-    would give NaN."""
-    seen = rows_with_a_finite_score(ops, scores) if rows_may_be_blank else None
-    if seen is None:
+    rows_may_be_blank: some row's scores may be -inf, all of them even: such a row gets weights
+    0 (the one rule for rows with nothing to attend to), by the formula and ``softmax_of_finite``
+    (where the frameworks' softmax would give NaN), no specialisation."""
+    if not rows_may_be_blank:
         done = specialise.run(ops, "masked_softmax", scores, values, masks, owned, exact)
         if done is not None:
             return done
-    weights, values = softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=ops.softmax)
-    return (weights if seen is None else ops.where(seen, weights, 0.0)), values
+        return softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=ops.softmax)
+    softmax = functools.partial(softmax_of_finite, ops)
+    return softmax_where(ops, scores, values, masks, exact, where=ops.where, softmax=softmax)
 
 
-def rows_with_a_finite_score(ops: Ops, scores: Tensor) -> Optional[Tensor]:
-    """Boolean (..., Q, 1), false where a row's scores are all -inf; None where, read on the
-    host, no row's are (a NaN row stays NaN: its max is NaN)."""
-    top = ops.max(scores, -1)
-    host = ops.host_values(top)
-    if host is not None and not (host == -math.inf).any():
-        return None
-    return top != -math.inf
+def softmax_of_finite(ops: Ops, x: Tensor) -> Tensor:
+    """Softmax over the last axis from the primitives, exactly 0 where x is -inf and over a
+    row of -inf (where the frameworks' softmax gives NaN, or a denormal for exp(-inf))."""
+    top = ops.max(ops.widen(x), -1)
+    e = ops.exp(ops.widen(x) - ops.maximum(top, ops.lowest(top)))
+    e = ops.where(x != -math.inf, e, 0.0)
+    return ops.cast(e / ops.maximum(ops.sum(e, -1), 1e-18), x)
 
 
 def all_finite(ops: Ops, x: Tensor) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -335,13 +337,19 @@ def test_rows_with_nothing_to_attend_to(bk, dtype):
     X = rng.normal(size=(2, 4, 5))
     X[0, 1] = -np.inf  # all -inf, nothing masked
     X[1, 0, :3] = -np.inf  # its visible scores all -inf (lengths 3)
-    X[1, 2, 1] = np.nan
-    for lens in (None, np.array([5, 3])):
-        got = bk.numpy(multiattn.masked_softmax(bk.tensor(X, dtype), as_lens(bk, lens))).astype(np.float64)
+    with_nan = X.copy()
+    with_nan[1, 2, 1] = np.nan
+    # paddle's softmax gives exp(-inf) as about 1e-28 where its row has finite scores too,
+    # and nothing else is wrong in the output to tell (docs/errors.md)
+    zero = (lambda x: np.abs(x) <= 1e-27) if bk.name == "paddle" else (lambda x: x == 0)
+    for scores, lens in itertools.product((X, with_nan), (None, np.array([5, 3]))):
+        got = multiattn.masked_softmax(bk.tensor(scores, dtype), as_lens(bk, lens))
+        got = bk.numpy(got).astype(np.float64)
         assert (got[0, 1] == 0).all(), "a row of -inf scores must be 0"
         if lens is not None:
-            assert (got[1, 0] == 0).all(), "a row whose visible scores are -inf must be 0"
-        assert np.isnan(got[1, 2, 1]), "NaN in a visible score must stay NaN"
+            assert zero(got[1, 0]).all(), "a row whose visible scores are -inf must be 0"
+        if scores is with_nan:
+            assert np.isnan(got[1, 2, 1]), "NaN in a visible score must stay NaN"
         ok = np.ones(X.shape, bool)
         ok[0, 1] = ok[1, 0] = ok[1, 2] = False
         assert not np.isnan(got[ok]).any()
