@@ -119,3 +119,17 @@ def test_the_readme_sample_is_what_check_prints(bk):
         assert len(got) == len(want) and all(_close(w, g) for w, g in zip(want, got)), (want, got)
     if everyone:
         assert table[:2] == SAMPLE[:2] and table[-1] == SAMPLE[-1]
+
+
+LONG_SEQUENCES = README.parent / "docs" / "long-sequences.md"
+
+
+def test_the_long_sequences_examples_print_what_their_comments_say():
+    """docs/long-sequences.md's examples (numpy) run; each print's comment is its output."""
+    blocks = re.findall(r"```python\n(.*?)```", LONG_SEQUENCES.read_text(), re.S)
+    assert len(blocks) == 2
+    for block in blocks:
+        result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        said = [line.split("# ", 1)[1] for line in block.splitlines() if line.startswith("print(")]
+        assert result.stdout.splitlines() == said
