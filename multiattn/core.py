@@ -35,7 +35,7 @@ def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS) -> Tensor:
     if 0 in ops.shape(X):
         return ops.zeros(ops.shape(X), X)
     weights = masked_weights(ops, X, None, masks, owned=False)[0]
-    if all_finite(ops, weights):
+    if not holds_non_finite(ops, weights):
         return weights
     return masked_weights(ops, X, None, masks, owned=False, rows_may_be_blank=True)[0]  # the row rule
 
@@ -70,13 +70,13 @@ def dot_product_attention(
         if block_size is not None:
             if not (forced or need_lse):  # a framework's kernel that never holds the scores whole
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
-                if done is not None and all_finite(ops, done[0]):
+                if done is not None and not holds_non_finite(ops, done[0]):
                     return done
             out, lse = blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
             return (out, None, lse) if need_lse else (out, None)
     args = (ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse)
     result = _materialised(*args)
-    if all_finite(ops, result[0]):
+    if not holds_non_finite(ops, result[0]):
         return result
     # some output is NaN or inf: were some row's scores all -inf, the frameworks' kernels
     # would differ on it, so the formula, with the row rule, says what it is
@@ -131,7 +131,7 @@ def additive_attention(
             return out, None
     scores = additive_scores(ops, q_hidden, k_hidden, w_v, masks)
     out, weights = attend(ops, scores, values, masks, dropout)
-    if not all_finite(ops, out):  # the row rule, as in dot_product_attention
+    if holds_non_finite(ops, out):  # the row rule, as in dot_product_attention
         out, weights = attend(ops, scores, values, masks, dropout, rows_may_be_blank=True)
     return out, (weights if need_weights else None)
 
@@ -245,11 +245,12 @@ def softmax_of_finite(ops: Ops, x: Tensor) -> Tensor:
     return ops.cast(e / ops.maximum(ops.sum(e, -1), 1e-18), x)
 
 
-def all_finite(ops: Ops, x: Tensor) -> bool:
-    """Whether every value of x is finite, read on the host; False where it cannot be read
-    (traced: a graph keeps only the branch its result uses)."""
+def holds_non_finite(ops: Ops, x: Tensor) -> bool:
+    """Whether x, read on the host, holds a NaN or an inf: the row rule's cue to compute a
+    call again.  False where x cannot be read (traced: jit, tf.function, torch.compile),
+    where the first answer stands."""
     host = ops.host_values(x)
-    return host is not None and bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
+    return host is not None and not bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
 
 
 def softmax_where(
