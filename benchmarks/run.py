@@ -4,6 +4,7 @@
     python benchmarks/run.py --backends torch --out benchmarks/RESULTS.md
     python benchmarks/run.py --python mxnet=.tox/mxnet/bin/python   # mxnet from its own env
     python benchmarks/run.py --backends torch --contended --runs 4 --min-time 3   # under load
+    python benchmarks/run.py --sizes longseq --out /tmp/longseq.md   # N to 65536 in blocks (longseq.py)
 
 Per backend (each in its own subprocess) and size, in the same run: median
 time of the textbook implementation (d2l's way, benchmarks/textbook.py),
@@ -34,6 +35,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+import longseq  # noqa: E402  (benchmarks/longseq.py: --sizes longseq)
+
 # name: (kind, B, Q, K, d or query width, key width, value width, hiddens)
 SIZES = {
     "toy": ("dot", 2, 1, 10, 2, 2, 4, 0),
@@ -42,6 +45,8 @@ SIZES = {
     "additive": ("additive", 4, 256, 256, 32, 16, 64, 64),
     "multihead": ("multihead", 8, 512, 512, 512, 512, 512, 512),  # num_hiddens 512 in NUM_HEADS heads
 }
+# --sizes longseq: N = 4096, 16384, 65536 (--longseq-n), B=1, one head, in blocks (longseq.py)
+LONGSEQ = "longseq"
 NUM_HEADS = 8
 MEMORY_SIZES = ("long", "additive")
 IMPLS = ("textbook", "multiattn", "multiattn-fast", "floor")
@@ -216,6 +221,8 @@ def _version(backend: str) -> str:
 
 def _worker(argv: list) -> int:
     mode, backend = argv[0], argv[1]
+    if mode.startswith(LONGSEQ):
+        return longseq.worker(argv, setup=_setup, sync=_sync, context=_context, version=_version)
     if mode == "time":
         print(json.dumps(time_backend(backend, argv[2].split(","), float(argv[3]))))
     else:
@@ -238,11 +245,19 @@ EXACT_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 16)}
 MEMORY_ENV = {**os.environ, **EXACT_ALLOCATOR}
 
 
+WORKER_TIMEOUT = [None]  # seconds a worker may take (--worker-timeout), None: no limit
+
+
 def _run(python: str, *args: str) -> object:
-    env = ENV if args[0] == "time" else MEMORY_ENV
-    proc = subprocess.run([python, __file__, "--worker", *args], capture_output=True, text=True, env=env)
+    env = MEMORY_ENV if "memory" in args[0] else ENV
+    cmd = [python, __file__, "--worker", *args]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT[0])
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"worker {' '.join(args)} gave no result within {WORKER_TIMEOUT[0]:g} s") from None
     if proc.returncode != 0:
-        raise RuntimeError(f"worker {' '.join(args)} failed: {proc.stderr.strip().splitlines()[-1:]}")
+        why = proc.stderr.strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
+        raise RuntimeError(f"worker {' '.join(args)} failed: {why}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -369,7 +384,11 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--backends", help="comma-separated (default: every installed backend)")
-    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated of {', '.join(SIZES)}")
+    parser.add_argument(
+        "--sizes",
+        default=",".join(SIZES),
+        help=f"comma-separated of {', '.join(SIZES)}; or {LONGSEQ} alone (long sequences in blocks)",
+    )
     parser.add_argument("--min-time", type=float, default=0.5, help="seconds of samples per measurement")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--python", action="append", default=[], help="BACKEND=PYTHON to run it elsewhere")
@@ -383,7 +402,10 @@ def main() -> int:
         "--runs", type=int, default=1, help="timing runs per backend, each in a fresh worker (median times)"
     )
     parser.add_argument(
-        "--memory-runs", type=int, default=1, help="fresh processes per peak memory (median, and worst)"
+        "--memory-runs",
+        type=int,
+        default=None,
+        help="fresh processes per peak memory (median, and worst; default 1, longseq 3)",
     )
     parser.add_argument(
         "--default-malloc",
@@ -393,20 +415,55 @@ def main() -> int:
     parser.add_argument(
         "--out", default=str(HERE / "RESULTS.md"), help="markdown table (default benchmarks/RESULTS.md)"
     )
+    parser.add_argument(
+        "--worker-timeout", type=float, help="seconds one worker process may take (default: no limit)"
+    )
+    ls = parser.add_argument_group("--sizes longseq (benchmarks/longseq.py)")
+    ls.add_argument(
+        "--longseq-n", default=longseq.DEFAULT_N, help="N, comma-separated; BACKEND=N entries for one backend"
+    )
+    ls.add_argument(
+        "--longseq-max",
+        default=longseq.DEFAULT_CAPS,
+        help=f"caps, BACKEND=N comma-separated: larger N not run (default {longseq.DEFAULT_CAPS}; '' none)",
+    )
+    ls.add_argument(
+        "--longseq-grad-n",
+        default=longseq.DEFAULT_GRAD_N,
+        help=f"N of the forward+backward (default {longseq.DEFAULT_GRAD_N}; 0: none)",
+    )
+    ls.add_argument("--longseq-calls", type=int, default=3, help="timed calls per measurement, at most")
+    ls.add_argument(
+        "--longseq-budget", type=float, default=30.0, help="seconds of timed calls, no further call past it"
+    )
+    ls.add_argument(
+        "--longseq-no-warmup-from", type=int, default=65536, help="N from which no full-size warm-up call"
+    )
+    ls.add_argument(
+        "--floor-max-gib", type=float, default=12.0, help="the floor only where its scores x3 fit in this"
+    )
+    ls.add_argument("--json", help="also write the raw results here (JSON)")
     args = parser.parse_args()
+    WORKER_TIMEOUT[0] = args.worker_timeout
     pythons = dict(p.split("=", 1) for p in args.python)
     if not args.system_allocator:
         ENV.update(STEADY_ALLOCATOR)
     if args.default_malloc:
         MEMORY_ENV.clear()
         MEMORY_ENV.update({k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")})
+    sizes = args.sizes.split(",")
+    if LONGSEQ in sizes:
+        if sizes != [LONGSEQ]:
+            parser.error(f"--sizes {LONGSEQ} runs alone")
+        args.memory_runs = args.memory_runs or 3
+        return _longseq(args, pythons, installed_backends)
+    args.memory_runs = args.memory_runs or 1
     # array_api has no textbook to compare with (d2l has no Array API version)
     backends = (
         args.backends.split(",")
         if args.backends
         else [name for name in installed_backends() if name != "array_api"]
     )
-    sizes = args.sizes.split(",")
     results = {}
     busy = None
     if args.contended:  # a competing process, as data-loader workers or other requests are
@@ -437,6 +494,38 @@ def main() -> int:
         f"machine).  `multihead` is d2l 11.5 multi-head attention, {NUM_HEADS} heads, no biases.\n\n"
     )
     Path(args.out).write_text(header + table + "\n")
+    print(table)
+    print(f"\nwritten to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _longseq(args: argparse.Namespace, pythons: dict, installed_backends) -> int:
+    """--sizes longseq: every installed backend (array_api too, and those given --python), each
+    measurement in its own worker (benchmarks/longseq.py)."""
+    from multiattn._registry import BACKENDS
+
+    if args.backends:
+        backends = args.backends.split(",")
+    else:
+        found = set(installed_backends()) | set(pythons)
+        backends = [name for name in BACKENDS if name in found]
+    busy = None
+    if args.contended:
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        results = longseq.measure(args, backends, pythons, _run)
+    finally:
+        if busy is not None:
+            busy.kill()
+    machine = f"{describe_machine()}, {platform.system()}, Python {platform.python_version()}"
+    if args.contended:
+        machine += ", with one CPU-bound busy process beside it (--contended)"
+    memory = "glibc's default malloc" if args.default_malloc else "every block over 64 KiB its own mapping"
+    table = longseq.render(results, args.floor_max_gib)
+    text = longseq.header(args, machine, describe_threads(), results, memory) + table + "\n"
+    Path(args.out).write_text(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     print(table)
     print(f"\nwritten to {args.out}", file=sys.stderr)
     return 0

@@ -196,3 +196,63 @@ def test_the_table_shows_the_multihead_row_and_the_torch_layer_comparison():
         "| torch 1 | multihead | 200.00 ms | 500.00 ms | 0.40x | 100.00 ms | 400.00 ms | 0.25x |"
     )
     assert "| multiattn | torch-mha | multiattn / torch-mha |" in table
+
+
+def test_longseq_times_the_blocks_against_the_floor_and_reports_caps(tmp_path):
+    out, raw = tmp_path / "longseq.md", tmp_path / "longseq.json"
+    cmd = [sys.executable, str(RUN), "--backends", "numpy", "--sizes", "longseq", "--longseq-n", "256,512"]
+    cmd += ["--longseq-max", "numpy=256", "--longseq-grad-n", "256", "--memory-runs", "1"]
+    cmd += ["--longseq-calls", "1", "--out", str(out), "--json", str(raw)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    text = out.read_text()
+    header = text.split("|", 1)[0]
+    assert "long-sequence" in header and "L2 " in header and "Thread settings: " in header
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in text.splitlines()}
+    for case in ("plain", "causal", "lengths"):
+        assert re.search(r"\| \d+\.\d ms ×1 \|", rows[("256", case)]), rows[("256", case)]
+    assert "x floor |" in rows[("256", "plain")] and "x plain |" in rows[("256", "causal")]
+    assert "(materialised" in rows[("256", "plain")]  # 256 x 256 scores fit: the default call keeps them
+    assert "not run (cap numpy=256)" in rows[("512", "all")]
+    assert "no autodiff" in rows[("256", "fwd+bwd")]
+    assert "failed" not in text
+    memory = rows[("256", "plain")].strip("|").split("|")[-3:]  # blocks, default, floor
+    assert all(float(cell.split()[0]) >= 0 for cell in memory), memory
+    assert '"plain/blocks"' in raw.read_text()
+
+
+def test_longseq_table_ratios_sdpa_and_the_floor_that_does_not_fit():
+    run = _load("run")
+    longseq = _load("longseq")
+    times = {"plain/blocks": 2.0, "causal/blocks": 1.0, "lengths/blocks": 0.5, "plain/default": 1.0}
+    times.update({"causal/default": 0.5, "lengths/default": 0.25, "plain/sdpa": 1.0, "causal/sdpa": 0.5})
+    times["lengths/sdpa"] = 0.25
+    found = {
+        "times": times,
+        "calls": dict.fromkeys(times, 1),
+        "paths": dict.fromkeys(times, "attend_by_flash_kernel"),
+        "memory": {"plain/blocks": 10.0},
+        "memory_worst": {"plain/blocks": 12.0},
+    }
+    grad_times = {"fwd+bwd/blocks": 6.0, "fwd+bwd/sdpa": 3.0}
+    grad = {"times": grad_times, "calls": dict.fromkeys(grad_times, 1)}
+    res = {"version": "1", "n": {65536: found, 131072: {"error": "killed"}}, "grad": {65536: grad}}
+    table = longseq.render({"torch": res}, 12)
+    rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]): line for line in table.splitlines()}
+    plain = rows[("65536", "plain")]
+    assert "| 2.00 s ×1 | - |" in plain and "does not fit" in plain  # no floor, so no ratio to it
+    assert "1.00 s ×1 (attend_by_flash_kernel) | 0.50x |" in plain and "| 2.00x | 1.00x |" in plain
+    assert "| 10.0 (worst 12.0) |" in plain
+    assert "| 0.50x plain |" in rows[("65536", "causal")] and "| 0.25x plain |" in rows[("65536", "lengths")]
+    assert "| 6.00 s ×1 | 3.00x forward |" in rows[("65536", "fwd+bwd")]
+    assert "failed: killed" in rows[("131072", "all")]
+    assert "| SDPA | blocks / SDPA |" in table
+    assert longseq.parse_sizes("16384,mlx=4096", "x") == ([16384], {"mlx": [4096]})
+    assert longseq.parse_sizes("0", "x") == ([], {})
+    assert run.LONGSEQ == "longseq"
+
+
+def test_longseq_runs_alone():
+    cmd = [sys.executable, str(RUN), "--sizes", "toy,longseq", "--out", os.devnull]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "runs alone" in result.stderr
