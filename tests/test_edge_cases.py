@@ -54,7 +54,8 @@ def test_rows_with_nothing_visible_give_the_same_output_without_weights(bk, lens
     assert (without[0, 1] == 0).all()
     want = ref.dot_product_attention(q, k, v, lens)[0]
     want[0, 1] = 0.0  # nothing visible: 0, as for a fully masked row (README)
-    np.testing.assert_allclose(without, want, rtol=1e-10, atol=1e-12)
+    rtol = 1e-6 if bk.name == "mlx" else 1e-10  # mlx's float64 exp is float32-accurate (README)
+    np.testing.assert_allclose(without, want, rtol=rtol, atol=1e-12)
 
 
 def test_nan_at_valid_positions_propagates_as_the_math_says(bk):
