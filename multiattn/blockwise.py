@@ -74,6 +74,9 @@ class Plan:
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
         self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
+        if self.lengths is not None and self.lengths.dtype.kind == "f":  # a NaN length shows nothing
+            self.lengths = self.lengths.copy()
+            self.lengths[self.lengths != self.lengths] = 0
         self.mask = None if masks.attention_mask is None else ops.host_values(masks.attention_mask)
 
     def kind(self, q0: int, q1: int, k0: int, k1: int) -> Tuple[str, Tuple[str, ...]]:

@@ -287,3 +287,14 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, monkeypatch):
             want[name] = grad / (2 * step)
         got = {name: bk.numpy(g).astype(np.float64) for name, g in zip("qkv", grads)}
         assert_gradients_close(bk, got, want, "float32")
+
+
+def test_float_lengths_in_blocks_compare_as_the_reference(bk):
+    """2.5 keeps 3 keys, NaN none, inf all: the plan reads them as the mask does."""
+    rng = np.random.default_rng(9)
+    q, k, v = rng.normal(size=(4, 3, 4)), rng.normal(size=(4, 9, 4)), rng.normal(size=(4, 9, 2))
+    lens = np.array([2.5, np.nan, np.inf, 4.0])
+    out = multiattn.dot_product_attention(
+        *(bk.tensor(x, "float32") for x in (q, k, v)), bk.tensor(lens, "float32"), block_size=2
+    )
+    assert_close(bk, out, ref.dot_product_attention(q, k, v, lens)[0], "float32")
