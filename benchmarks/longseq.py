@@ -257,7 +257,7 @@ def worker(argv: list, **helpers) -> int:
 
 
 def parse_sizes(text: str, option: str) -> tuple:
-    """"16384,mlx=4096" -> ([16384], {"mlx": [4096]}): bare numbers for every backend, BACKEND=N
+    """ "16384,mlx=4096" -> ([16384], {"mlx": [4096]}): bare numbers for every backend, BACKEND=N
     entries for one (each replacing the bare list for it); "0" or "" for none."""
     common, per = [], {}
     for item in filter(None, (part.strip() for part in text.split(","))):
@@ -410,7 +410,7 @@ def render_backend(backend: str, res: dict, floor_max_gib: float) -> str:
             continue
         t, calls = found["times"], found["calls"]
 
-        def get(impl, c=case):
+        def get(impl, c=case, t=t):
             return t.get(f"{c}/{impl}")
 
         blocks = get("blocks")

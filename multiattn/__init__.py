@@ -150,7 +150,9 @@ def combine_attention(parts: Any) -> Any:
     try:
         tensors = {f"parts[{i}][{j}]": x for i, part in enumerate(parts) for j, x in enumerate(part)}
     except TypeError:
-        raise TypeError(f"parts must be a sequence of (output, lse) pairs, got {type(parts).__name__}") from None
+        raise TypeError(
+            f"parts must be a sequence of (output, lse) pairs, got {type(parts).__name__}"
+        ) from None
     if not tensors:
         raise ValueError("parts must hold at least one (output, lse) pair, got none")
     return functional.combine_attention(get_backend(framework_of_call(**tensors)).ops, parts)

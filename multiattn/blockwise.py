@@ -187,31 +187,31 @@ def attention_in_blocks(
                 state = update[kind == PARTIAL](q_block, k_block, v_block, *state, *seen)
         if state is None:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
-            l = ops.zeros(shape + (1,), values)
-            state = ops.log(l), l, ops.zeros(shape + (ops.shape(values)[-1],), values)  # m = -inf
-        m, l, o = state
+            total = ops.zeros(shape + (1,), values)
+            state = ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values)  # m = -inf
+        m, total, o = state
         ops.settle(o)
         # m is -inf where no visible score was finite: 0 there, even where a framework's
-        # exp(-inf) is a denormal rather than 0 (paddle's), which would leave l and o not 0
-        outs.append(ops.where(m != NEG_INF, o / ops.maximum(l, TINY), 0.0))
-        lses.append(m + ops.log(l))
+        # exp(-inf) is a denormal rather than 0 (paddle's), which would leave the sum and o not 0
+        outs.append(ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0))
+        lses.append(m + ops.log(total))
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
 
 
 def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
-    """One key block into the running (m, l, O): m' = max(m, rowmax S), P = exp(S - m'),
-    l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V."""
+    """One key block into the running (m, l, O) (l: ``total``): m' = max(m, rowmax S),
+    P = exp(S - m'), l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V."""
     if state is None:
         m_new = ops.max(s, -1)
         p = ops.exp(s - _finite(ops, m_new))
         return m_new, ops.sum(p, -1), ops.matmul(p, v)
-    m, l, o = state
+    m, total, o = state
     m_new = ops.maximum(m, ops.max(s, -1))
     top = _finite(ops, m_new)
     p, rescale = ops.exp(s - top), ops.exp(_finite(ops, m) - top)
-    return m_new, rescale * l + ops.sum(p, -1), rescale * o + ops.matmul(p, v)
+    return m_new, rescale * total + ops.sum(p, -1), rescale * o + ops.matmul(p, v)
 
 
 def _masked(ops: Ops, s: Tensor, v: Tensor, seen: Tensor) -> tuple:
@@ -228,12 +228,12 @@ def _first_masked(ops, score, q, k, v, seen):
     return _online(ops, *_masked(ops, score(q, k), v, seen))
 
 
-def _update(ops, score, q, k, v, m, l, o):
-    return _online(ops, score(q, k), v, (m, l, o))
+def _update(ops, score, q, k, v, m, total, o):
+    return _online(ops, score(q, k), v, (m, total, o))
 
 
-def _update_masked(ops, score, q, k, v, m, l, o, seen):
-    return _online(ops, *_masked(ops, score(q, k), v, seen), (m, l, o))
+def _update_masked(ops, score, q, k, v, m, total, o, seen):
+    return _online(ops, *_masked(ops, score(q, k), v, seen), (m, total, o))
 
 
 _COMPILED: dict = {}
@@ -304,7 +304,13 @@ def attention_in_blocks_backward(
     lse = _finite(ops, lse)
     scaled = queries * scale
     query_blocks = [
-        (rows(queries, q0, q1), rows(scaled, q0, q1), rows(d_out, q0, q1), rows(lse, q0, q1), rows(row_dot, q0, q1))
+        (
+            rows(queries, q0, q1),
+            rows(scaled, q0, q1),
+            rows(d_out, q0, q1),
+            rows(lse, q0, q1),
+            rows(row_dot, q0, q1),
+        )
         for q0, q1 in plan.query_blocks
     ]
     d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
@@ -339,7 +345,9 @@ def attention_in_blocks_backward(
         ops.zeros(ops.shape(q_block), q_block) if dq is None else dq * scale
         for dq, (q_block, *_) in zip(d_queries, query_blocks)
     ]
-    joined = [(parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)]
+    joined = [
+        (parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)
+    ]
     return tuple(ops.cast(g, like) for g, like in zip(joined, (like_q, like_k, like_v)))
 
 

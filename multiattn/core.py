@@ -72,7 +72,9 @@ def dot_product_attention(
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
                     return done
-            out, lse = blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+            out, lse = blockwise.attention(
+                ops, queries, keys, values, masks, scale=scale, block_size=block_size
+            )
             return (out, None, lse) if need_lse else (out, None)
     args = (ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse)
     result = _materialised(*args)
@@ -83,7 +85,9 @@ def dot_product_attention(
     return _materialised(*args, rows_may_be_blank=True)
 
 
-def _materialised(ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse, rows_may_be_blank=False):
+def _materialised(
+    ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse, rows_may_be_blank=False
+):
     """``dot_product_attention`` with the scores whole (or a framework's fused kernel)."""
     if not (need_lse or rows_may_be_blank):
         done = specialise.run(

@@ -192,7 +192,9 @@ def test_combine_attention_over_disjoint_key_sets_is_attention_over_all(bk, dtyp
             multiattn.dot_product_attention(*args, attention_mask=bk.tensor(subset), return_lse=True)
         )
     out, lse = multiattn.combine_attention(pieces)
-    want_out, want_lse = multiattn.dot_product_attention(*args, attention_mask=bk.tensor(visible), return_lse=True)
+    want_out, want_lse = multiattn.dot_product_attention(
+        *args, attention_mask=bk.tensor(visible), return_lse=True
+    )
     assert_close(bk, out, ref.dot_product_attention(q, k, v, attention_mask=visible)[0], dtype)
     got_lse, want_lse = bk.numpy(lse).astype(np.float64), bk.numpy(want_lse).astype(np.float64)
     assert got_lse[0, 0] == -np.inf and (bk.numpy(out)[0, 0] == 0).all()
@@ -220,7 +222,9 @@ def test_scores_past_the_budget_run_in_blocks_without_being_asked(bk, monkeypatc
     q, k, v = (bk.tensor(rng.normal(size=(2, 7, 4)), "float32") for _ in range(3))
     out = multiattn.dot_product_attention(q, k, v, causal=True)
     assert calls == [(3, 7, 7)]
-    assert_close(bk, out, ref.dot_product_attention(*(bk.numpy(x) for x in (q, k, v)), causal=True)[0], "float32")
+    assert_close(
+        bk, out, ref.dot_product_attention(*(bk.numpy(x) for x in (q, k, v)), causal=True)[0], "float32"
+    )
     calls.clear()
     multiattn.dot_product_attention(q, k, v, causal=True, return_weights=True)
     assert calls == [], "the weights are wanted: the scores whole"
@@ -269,7 +273,12 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, monkeypatch):
     fn = lambda q, k, v: multiattn.dot_product_attention(  # noqa: E731
         q, k, v, t_lens, attention_mask=t_mask, causal=causal, block_size=3
     )
-    assert_close(bk, fn(*args), ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0], "float32")
+    assert_close(
+        bk,
+        fn(*args),
+        ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0],
+        "float32",
+    )
     if bk.module.vjp is not None:
         from .test_gradients import assert_gradients_close
 

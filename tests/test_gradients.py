@@ -165,6 +165,8 @@ MASK_CASES = {
         valid_lens=np.array([[2, 0, 9], [5, -1, 3]]), attention_mask=_MASK, causal=True
     ),
 }
+# and the lengths alone, for the block path's tests
+CASES = {"none": {}, "1d": dict(valid_lens=MASKS["1d"]), "2d": dict(valid_lens=MASKS["2d"]), **MASK_CASES}
 MULTI_HEAD = dict(heads=2, h=4)
 
 
@@ -205,7 +207,7 @@ def _masked_reference(function, masks):
 @functools.lru_cache(maxsize=None)
 def masked_finite_differences(function, case):
     inputs, cotangent = _masked_inputs(function)
-    fn = _masked_reference(function, MASK_CASES[case])
+    fn = _masked_reference(function, CASES[case])
     step, grads = 1e-6, {}
     for name, array in inputs.items():
         grad = np.zeros_like(array)
@@ -220,7 +222,7 @@ def masked_finite_differences(function, case):
 
 def masked_backend_grads(bk, function, case, dtype):
     inputs, cotangent = _masked_inputs(function)
-    masks = dict(MASK_CASES[case])
+    masks = dict(CASES[case])
     lens = masks.pop("valid_lens", None)
     lens = None if lens is None else bk.tensor(lens)
     if "attention_mask" in masks:
@@ -255,28 +257,10 @@ def test_gradients_with_masks_match_finite_differences(bk, function, case, dtype
 
 # -- attention in blocks (multiattn.blockwise): its own backward, through each framework ------
 
-BLOCK_CASES = {"none": {}, "1d": dict(valid_lens=MASKS["1d"]), "2d": dict(valid_lens=MASKS["2d"]), **MASK_CASES}
-
-
-@functools.lru_cache(maxsize=None)
-def block_finite_differences(function, case):
-    inputs, cotangent = _masked_inputs(function)
-    fn = _masked_reference(function, BLOCK_CASES[case])
-    step, grads = 1e-6, {}
-    for name, array in inputs.items():
-        grad = np.zeros_like(array)
-        for idx in np.ndindex(array.shape):
-            for sign in (1, -1):
-                shifted = dict(inputs, **{name: array.copy()})
-                shifted[name][idx] += sign * step
-                grad[idx] += sign * float(np.sum(fn(**shifted) * cotangent))
-        grads[name] = grad / (2 * step)
-    return grads
-
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("block_size", [1, 2, 3])
-@pytest.mark.parametrize("case", list(BLOCK_CASES))
+@pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("function", ["dot_product", "additive", "multi_head"])
 def test_gradients_in_blocks_match_finite_differences(bk, function, case, block_size, dtype, monkeypatch):
     """The block path forced (the core's own, no framework kernel), its gradients against the
@@ -284,16 +268,10 @@ def test_gradients_in_blocks_match_finite_differences(bk, function, case, block_
     from .forcing import force_blocks
 
     needs_autodiff(bk)
-    MASK_CASES_SAVED = MASK_CASES.copy()
-    MASK_CASES.update(BLOCK_CASES)  # masked_backend_grads reads the case from MASK_CASES
-    try:
-        calls = force_blocks(monkeypatch, block_size)
-        got = masked_backend_grads(bk, function, case, dtype)
-    finally:
-        MASK_CASES.clear()
-        MASK_CASES.update(MASK_CASES_SAVED)
+    calls = force_blocks(monkeypatch, block_size)
+    got = masked_backend_grads(bk, function, case, dtype)
     assert calls, "the call did not run in blocks"
-    assert_gradients_close(bk, got, block_finite_differences(function, case), dtype)
+    assert_gradients_close(bk, got, masked_finite_differences(function, case), dtype)
 
 
 def test_dot_product_in_blocks_has_its_own_gradient(bk):

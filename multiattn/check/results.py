@@ -30,6 +30,7 @@ Results = Dict[str, dict]
 ARRAYS = ("out", "weights", "fast", "blocks")  # a case's arrays (blocks: the block path forced)
 GRADIENTS = {"grads": "grad", "block_grads": "block_grad"}  # its gradients by argument: file key
 
+
 def framework_version(name: str) -> str:
     """The ``__version__`` of backend name's framework, once imported ('?' before, or without one)."""
     module = sys.modules.get(BACKENDS[name][0])

@@ -159,7 +159,12 @@ def explain(case: Case, mine: dict, errors: Dict[str, float], tol: float) -> str
         if got is None:
             continue
         got = np.asarray(got, dtype=np.float64)
-        name = {"out": "output", "weights": "weights", "fast": "output without weights", "blocks": "output in blocks"}[key]
+        name = {
+            "out": "output",
+            "weights": "weights",
+            "fast": "output without weights",
+            "blocks": "output in blocks",
+        }[key]
         if got.shape != (want_weights if key == "weights" else case.expected["out"]).shape:
             want_shape = (want_weights if key == "weights" else case.expected["out"]).shape
             return f"{name} has shape {got.shape}, reference {want_shape}"

@@ -16,7 +16,6 @@ from .._registry import get_backend
 from .cases import NUM_HEADS, Case, make_cases
 from .results import framework_version, save_native, save_results
 
-
 BLOCK_SIZE = 2  # the cases' 3 queries and 5 keys: partial blocks, a last block shorter
 
 
