@@ -45,16 +45,17 @@ def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = 
     return min(max(side, MIN_BLOCK), MAX_BLOCK)
 
 
-def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor) -> Optional[int]:
+def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor, per_score: int = 1) -> Optional[int]:
     """The block size where the scores of this call would exceed ``SCORES_BUDGET_BYTES``, else
-    None (the materialised path).  Unknown (traced) sizes count as fitting."""
+    None (the materialised path).  per_score: the values made per score (additive attention:
+    its hidden features).  Unknown (traced) sizes count as fitting."""
     shape = tuple(ops.shape(queries)[:-1]) + (ops.shape(keys)[-2],)
     if any(size is None for size in shape):
         return None
     itemsize = 8 if ops.lowest(queries) < -1e300 else 4  # half types are computed in float32
     if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
         return None
-    return block_size_for(math.prod(shape[:-2]), itemsize)
+    return block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
 
 
 # -- which blocks run, and which need masking ---------------------------------------------------

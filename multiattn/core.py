@@ -126,7 +126,8 @@ def additive_attention(
         return no_attention(ops, queries, keys, values)
     q_hidden, k_hidden = project_q(queries), project_k(keys)
     if not need_weights and dropout is None:
-        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
+        per_score = ops.shape(q_hidden)[-1] or 1  # the features of a block are its scores x hiddens
+        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, per_score)
         if block_size is not None:  # the framework differentiates the blocks itself
             out, _ = blockwise.attention_in_blocks(
                 ops, q_hidden, k_hidden, values, masks, block_size=block_size,

@@ -217,7 +217,7 @@ def test_combine_attention_errors(bk):
 
 def test_scores_past_the_budget_run_in_blocks_without_being_asked(bk, monkeypatch):
     calls = force_blocks(monkeypatch, 3)  # records; the size the budget would choose: 3
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k: 3)
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1: 3)
     rng = np.random.default_rng(2)
     q, k, v = (bk.tensor(rng.normal(size=(2, 7, 4)), "float32") for _ in range(3))
     out = multiattn.dot_product_attention(q, k, v, causal=True)
@@ -241,6 +241,8 @@ def test_the_automatic_block_size_follows_the_budget_and_the_cache(monkeypatch):
     assert blockwise.block_size_for(1, 4, cache_bytes=2 << 20) == 512  # powers of two
     assert blockwise.block_size_for(64, 4, cache_bytes=1 << 20) == blockwise.MIN_BLOCK
     assert blockwise.block_size_for(1, 4, cache_bytes=1 << 30) == blockwise.MAX_BLOCK
+    # additive attention's blocks hold its features: hiddens per score
+    assert blockwise.automatic_block_size(backend.ops, large, large, per_score=64) == blockwise.MIN_BLOCK
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
