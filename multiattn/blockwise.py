@@ -55,7 +55,8 @@ def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor, per_score: int
     itemsize = 8 if ops.lowest(queries) < -1e300 else 4  # half types are computed in float32
     if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
         return None
-    return block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
+    side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
+    return side if per_score > 1 else min(side * ops.compiled_block_scale, MAX_BLOCK)
 
 
 # -- which blocks run, and which need masking ---------------------------------------------------
@@ -190,8 +191,8 @@ def attention_in_blocks(
             shape = tuple(ops.shape(q_block)[:-1])
             total = ops.zeros(shape + (1,), values)
             state = ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values)  # m = -inf
+        ops.settle(state)  # lazy frameworks: m and l would keep every block of scores alive
         m, total, o = state
-        ops.settle(o)
         # m is -inf where no visible score was finite: 0 there, even where a framework's
         # exp(-inf) is a denormal rather than 0 (paddle's), which would leave the sum and o not 0
         outs.append(ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0))
@@ -339,7 +340,7 @@ def attention_in_blocks_backward(
             d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
         if dk is None:  # no query sees this key block
             dk, dv = ops.zeros(ops.shape(k_block), k_block), ops.zeros(ops.shape(v_block), v_block)
-        ops.settle(dk)
+        ops.settle((dk, dv, *(dq for dq in d_queries if dq is not None)))
         d_keys.append(dk * scale)
         d_values.append(dv)
     d_queries = [

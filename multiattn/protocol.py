@@ -185,14 +185,19 @@ class Primitives:
         framework's own differentiation of it)."""
         return forward(*tensors, *constants)
 
+    # where the block steps are compiled (``compiled``), the compiler fuses a block's passes:
+    # its side may be this many times the one whose scores fit L2 (blockwise.block_size_for)
+    compiled_block_scale: int = 1
+
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the
         framework's compiler where that pays; the default: step itself."""
         return step
 
     def settle(self, x: Tensor) -> None:
-        """Compute x now, in a lazy framework, so that what it was computed from can be freed
-        (a no-op in eager frameworks and inside compiled or vectorised functions)."""
+        """Compute x (a tensor, or a tuple of them) now, in a lazy framework, so that what it
+        was computed from can be freed (a no-op in eager frameworks and inside compiled or
+        vectorised functions)."""
 
 
 class Ops(Primitives, Specialisations):

@@ -36,6 +36,8 @@ class JaxOps(NumpyLikeOps):
             return "f"
         return np.dtype(x.dtype).kind
 
+    compiled_block_scale = 2  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
+
     def compiled(self, step):
         # one dispatch per block instead of one per op (inlined under an outer jit)
         return jax.jit(step)

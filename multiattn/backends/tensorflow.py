@@ -146,6 +146,8 @@ class TensorFlowOps(Ops):
     def maximum(self, a, b):
         return tf.maximum(a, tf.constant(b, dtype=a.dtype) if isinstance(b, float) else b)
 
+    compiled_block_scale = 2  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
+
     def compiled(self, step):
         # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own
         return tf.function(step, jit_compile=True)
