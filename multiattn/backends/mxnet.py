@@ -138,6 +138,11 @@ class MxnetOps(Ops):
     def host_values(self, x):
         return x.asnumpy()
 
+    def settle(self, x):
+        # the engine runs ops asynchronously: unwaited, a loop of blocks queues them all at once
+        for tensor in x if isinstance(x, tuple) else (x,):
+            getattr(tensor, "wait_to_read", lambda: None)()  # symbols (hybridized) have none
+
     def custom_gradient(self, forward, backward, tensors, constants=()):
         if not autograd.is_recording():
             return forward(*tensors, *constants)
