@@ -189,7 +189,7 @@ class TorchOps(Ops):
         return _CustomGradient.apply(forward, backward, len(tensors), *tensors, *constants)
 
     def host_values(self, x):
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
+        if x.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(x):
             return None
         x = x.detach()
         return (x.float() if x.dtype == torch.bfloat16 else x).numpy()  # numpy has no bfloat16
