@@ -62,8 +62,8 @@ class MlxOps(NumpyLikeOps):
         return function(*tensors, *constants)
 
     def host_values(self, x):
-        try:
-            return np.array(x)
+        try:  # numpy has no bfloat16
+            return np.array(x.astype(mx.float32) if x.dtype == mx.bfloat16 else x)
         except ValueError:  # mx.compile and mx.vmap refuse the eval: values unknown there
             return None
 
