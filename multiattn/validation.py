@@ -73,8 +73,7 @@ def check_scores(
 
 
 def check_causal(causal: Any) -> None:
-    if causal is not True and causal is not False:
-        raise TypeError(f"causal must be True or False, got {causal!r}")
+    check_flag("causal", causal)
 
 
 def check_attention_mask(ops: Ops, mask: Tensor, scores_shape: Shape) -> Tensor:
