@@ -10,7 +10,8 @@ default 4096, 16384, 65536) three cases: ``plain``; ``causal`` (causal=True); ``
 (valid_lens = [N // 4]: 3/4 of the keys hidden).  Implementations (``IMPLS``):
 
 * ``blocks``: ``dot_product_attention(q, k, v, lens, causal=..., block_size=BLOCK)``, the core's
-  blocks forced on every backend, BLOCK the automatic choice (``blockwise.block_size_for``);
+  blocks forced on every backend, BLOCK the automatic choice
+  (``blockwise.block_size_for`` x ``Ops.compiled_block_scale``);
 * ``default``: the same call with block_size=None, measured where it takes another path:
   the scores whole where they fit the budget (N^2 * 4 B <= ``SCORES_BUDGET_BYTES``), and on
   torch past it SDPA's flash kernel (the specialisation ``attend_by_flash_kernel``);
@@ -58,11 +59,13 @@ NO_AUTODIFF = ("numpy", "array_api")  # their backend modules' vjp is None
 FLOOR_COPIES = 3  # the floor holds about three (N, N) float32 arrays at once: scores, exp, weights
 
 
-def block_size() -> int:
-    """The block the automatic choice takes for one (1, N, d) float32 call."""
+def block_size(module=None) -> int:
+    """The block the automatic choice takes for one (1, N, d) float32 call on the backend
+    ``module`` (its compiled steps take larger ones: ``Ops.compiled_block_scale``)."""
     from multiattn import blockwise
 
-    return blockwise.block_size_for(1, 4)
+    scale = 1 if module is None else module.ops.compiled_block_scale
+    return blockwise.block_size_for(1, 4) * scale
 
 
 def scores_fit_budget(n: int) -> bool:
@@ -178,7 +181,7 @@ def _context(backend: str, key: str, context):
 
 def time_worker(backend, n, keys, calls, budget, warmup, *, setup, sync, context, version) -> dict:
     module = setup(backend)
-    block = block_size()
+    block = block_size(module)
     results = {"version": version(backend), "block": block, "times": {}, "calls": {}, "paths": {}}
     if key_needs_autodiff(keys) and getattr(module, "vjp", None) is None:
         return dict(results, no_autodiff=True)
@@ -229,7 +232,7 @@ def memory_worker(backend, n, key, *, setup, sync, context) -> dict:
     """MiB by which one call raises the process's peak RSS (run in a fresh process), and
     whether the peak could be reset before it."""
     module = setup(backend)
-    block = block_size()
+    block = block_size(module)
     with _context(backend, key, context):
         prepare(backend, module, _warm_n(n, block), key, block, sync)()  # one-off costs
         once = prepare(backend, module, n, key, block, sync)
@@ -391,7 +394,7 @@ def render_backend(backend: str, res: dict, floor_max_gib: float) -> str:
         cols += ["SDPA", "blocks / SDPA", "default / SDPA"]
     cols += ["peak MiB blocks", "peak MiB default", "peak MiB floor"] + (["peak MiB SDPA"] if torch else [])
     lines = [
-        f"### {backend} {res.get('version', '?')}",
+        f"### {backend} {res.get('version', '?')}, blocks of {res.get('block', '?')}",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -452,7 +455,7 @@ def render(results: dict, floor_max_gib: float) -> str:
 def header(args, machine: str, threads: str, results: dict, allocator: str) -> str:
     from multiattn import blockwise
 
-    block = next((res["block"] for res in results.values() if res.get("block")), block_size())
+    block = block_size()
     runs = "" if args.runs == 1 else f", the median over {args.runs} fresh workers"
     found = [f for res in results.values() for table in ("n", "grad") for f in res.get(table, {}).values()]
     if all(f.get("peak_reset", True) for f in found):
@@ -473,10 +476,11 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         "  `lengths` (valid_lens=[N//4]: 3/4 of the keys hidden); "
         f"`{GRAD}`: the backend's vjp of the blocks, plain",
         "  (the output and the gradients of q, k, v).",
-        f"- `blocks`: dot_product_attention(..., block_size={block}), the core's online softmax forced "
+        "- `blocks`: dot_product_attention(..., block_size=BLOCK), the core's online softmax forced "
         "(the automatic",
-        "  choice's block, from the L2 per core).  `default call`: the same with block_size=None, where it "
-        "takes another",
+        f"  choice's block, from the L2 per core: {block}, times `compiled_block_scale` where the steps "
+        "are compiled).",
+        "  `default call`: the same with block_size=None, where it takes another",
         f"  path: the scores whole where N²·4 B <= {blockwise.SCORES_BUDGET_BYTES >> 20} MiB, and on torch "
         "past that SDPA's flash kernel",
         "  (attend_by_flash_kernel); `= blocks` where it is these blocks.",
@@ -490,7 +494,7 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         "- jax runs the blocks eagerly (under jit every block would be traced, the lengths as tracers: no "
         "block skipped);",
         "  its floor is jit-compiled before it is timed.",
-        f"- Times: per measurement a warm-up call at N = min(2 × {block}, N/4), a full-size one where "
+        f"- Times: per measurement a warm-up call at N = min(2 × BLOCK, N/4), a full-size one where "
         f"N < {args.longseq_no_warmup_from},",
         f"  then up to {args.longseq_calls} timed calls, no further one past {args.longseq_budget:g} s; "
         f"the median (×n: its calls){runs}.",

@@ -56,7 +56,7 @@ def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor, per_score: int
     if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
         return None
     side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
-    return side if per_score > 1 else min(side * ops.compiled_block_scale, MAX_BLOCK)
+    return side if per_score > 1 else side * ops.compiled_block_scale
 
 
 # -- which blocks run, and which need masking ---------------------------------------------------

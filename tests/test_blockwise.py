@@ -245,7 +245,7 @@ def test_the_automatic_block_size_follows_the_budget_and_the_cache(monkeypatch):
     assert blockwise.automatic_block_size(backend.ops, large, large, per_score=64) == blockwise.MIN_BLOCK
     side = blockwise.automatic_block_size(backend.ops, large, large)
     monkeypatch.setattr(backend.ops, "compiled_block_scale", 2)  # compiled steps: larger blocks
-    assert blockwise.automatic_block_size(backend.ops, large, large) == min(2 * side, blockwise.MAX_BLOCK)
+    assert blockwise.automatic_block_size(backend.ops, large, large) == 2 * side
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
