@@ -126,6 +126,16 @@ class Plan:
             found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
         return all_of(ops, found, len(ops.shape(q_block)))
 
+    def visible_values(
+        self, parts: Tuple[str, ...], v_block: Tensor, seen: Tensor, q1: int, k1: int
+    ) -> Tensor:
+        """v_block with the rows no query of a PARTIAL block may see set to 0 (a NaN there must
+        not reach the output as 0 * NaN); as it is where causality alone masks the block and
+        its last query sees every key of it."""
+        if parts == ("causal",) and k1 <= q1:
+            return v_block
+        return visible_values(self.ops, v_block, seen)
+
 
 def _block_of(mask: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
     """The block of a mask broadcastable to the scores (size-1 axes stay whole)."""
@@ -182,11 +192,14 @@ def attention_in_blocks(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            seen = () if kind == FULL else (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
+            seen, v_seen = (), v_block
+            if kind == PARTIAL:
+                seen = (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
+                v_seen = plan.visible_values(parts, v_block, seen[0], q1, k1)
             if state is None:
-                state = first[kind == PARTIAL](q_block, k_block, v_block, *seen)
+                state = first[kind == PARTIAL](q_block, k_block, v_seen, *seen)
             else:
-                state = update[kind == PARTIAL](q_block, k_block, v_block, *state, *seen)
+                state = update[kind == PARTIAL](q_block, k_block, v_seen, *state, *seen)
         if state is None:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
             total = ops.zeros(shape + (1,), values)
@@ -216,18 +229,40 @@ def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     return m_new, rescale * total + ops.sum(p, -1), rescale * o + ops.matmul(p, v)
 
 
-def _masked(ops: Ops, s: Tensor, v: Tensor, seen: Tensor) -> tuple:
-    """A partial block's scores with the hidden ones -inf, and its value rows that no query
-    of the block may see set to 0 (so that a NaN there cannot reach the output as 0 * NaN)."""
-    return ops.where(seen, s, NEG_INF), visible_values(ops, v, seen)
+def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
+    """A partial block's scores with the hidden ones -inf."""
+    return ops.where(seen, s, NEG_INF)
+
+
+def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
+    """One key block shown whole through the framework's fused softmax (``ops.softmax_with_lse``):
+    the block's own weights W and lse_b (Rabe & Staats: a chunk's normalised output and its
+    log-sum-exp) merged into (m, l, O) as a block whose max is lse_b and whose sum is 1."""
+    w, lse = ops.softmax_with_lse(s)
+    o_block = ops.matmul(w, v)
+    if state is None:
+        return lse, ops.zeros(ops.shape(lse), lse) + 1.0, o_block
+    m, total, o = state
+    m_new = ops.maximum(m, lse)
+    top = _finite(ops, m_new)
+    rescale, weight = ops.exp(_finite(ops, m) - top), ops.exp(lse - top)
+    return m_new, rescale * total + weight, rescale * o + weight * o_block
 
 
 def _first(ops, score, q, k, v):
     return _online(ops, score(q, k), v)
 
 
+def _first_fused(ops, score, q, k, v):
+    return _fused(ops, score(q, k), v)
+
+
+def _update_fused(ops, score, q, k, v, m, total, o):
+    return _fused(ops, score(q, k), v, (m, total, o))
+
+
 def _first_masked(ops, score, q, k, v, seen):
-    return _online(ops, *_masked(ops, score(q, k), v, seen))
+    return _online(ops, _masked(ops, score(q, k), seen), v)
 
 
 def _update(ops, score, q, k, v, m, total, o):
@@ -235,7 +270,7 @@ def _update(ops, score, q, k, v, m, total, o):
 
 
 def _update_masked(ops, score, q, k, v, m, total, o, seen):
-    return _online(ops, *_masked(ops, score(q, k), v, seen), (m, total, o))
+    return _online(ops, _masked(ops, score(q, k), seen), v, (m, total, o))
 
 
 _COMPILED: dict = {}
@@ -248,19 +283,22 @@ def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
     """((first block, first block masked), (next block, next block masked)), each a function
     of tensors alone; for dot-product scores over at least COMPILE_MIN_BLOCKS blocks through
     the framework's compiler where it offers one (``ops.compiled``), made once per process."""
+    kinds = ((_first, _first_masked), (_update, _update_masked))
+    if score is None and ops.softmax_with_lse is not None:  # dot-product blocks shown whole: finite
+        kinds = ((_first_fused, _first_masked), (_update_fused, _update_masked))
     if score is None and n_blocks < COMPILE_MIN_BLOCKS:
         score = ops.matmul_t
     if score is not None:  # as it is (or a closure over the caller's weights)
         return tuple(
             (functools.partial(plain, ops, score), functools.partial(masked, ops, score))
-            for plain, masked in ((_first, _first_masked), (_update, _update_masked))
+            for plain, masked in kinds
         )
     steps = _COMPILED.get(id(ops))
     if steps is None or steps[0] is not ops:
         made = tuple(
             (ops.compiled(functools.partial(plain, ops, ops.matmul_t)),
              ops.compiled(functools.partial(masked, ops, ops.matmul_t)))
-            for plain, masked in ((_first, _first_masked), (_update, _update_masked))
+            for plain, masked in kinds
         )  # fmt: skip
         steps = _COMPILED[id(ops)] = (ops, made)
     return steps[1]
@@ -329,7 +367,7 @@ def attention_in_blocks_backward(
             s, v_seen = ops.matmul_t(q_scaled, k_block), v_block
             if kind == PARTIAL:
                 seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
-                s, v_seen = _masked(ops, s, v_block, seen)
+                s, v_seen = _masked(ops, s, seen), plan.visible_values(parts, v_block, seen, q1, k1)
             p = ops.exp(s - lse_block)
             ds = p * (ops.matmul_t(do_block, v_seen) - dot_block)
             dv_part = ops.matmul(ops.matrix_transpose(p), do_block)

@@ -15,7 +15,7 @@ Tensors are used through these methods, plus what every array library has:
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from . import _registry
 from .specialisations import Specialisations
@@ -184,6 +184,10 @@ class Primitives:
         None where it is not used.  The default runs forward as it is (no autodiff, or the
         framework's own differentiation of it)."""
         return forward(*tensors, *constants)
+
+    # (softmax(x), log sum exp(x)) along the last axis, keepdims, where the framework's fused
+    # softmax is faster than its max, exp and sum: blockwise takes it for the blocks shown whole
+    softmax_with_lse: Optional[Callable[[Tensor], Tuple[Tensor, Tensor]]] = None
 
     # where the block steps are compiled (``compiled``), the compiler fuses a block's passes:
     # its side may be this many times the one whose scores fit L2 (blockwise.block_size_for)

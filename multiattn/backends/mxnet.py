@@ -82,6 +82,14 @@ class MxnetOps(Ops):
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
+    def softmax_with_lse(self, x):
+        # its fused softmax is 3-5x faster than its max, exp and sum (long-sequence blocks); x
+        # finite: lse = x_0 - log w_0, from its (less precise) log_softmax where w_0 underflows
+        w = npx.softmax(x, axis=-1)
+        x0, w0 = x[..., :1], w[..., :1]
+        rough = x0 - npx.log_softmax(x, axis=-1)[..., :1]
+        return w, np.where(w0 > 1e-30, x0 - np.log(np.maximum(w0, 1e-30)), rough)
+
     def _softmax_owned(self, x):
         # the weights take the scores' memory; not while autograd records (softmax's backward
         # needs x's graph), in float16 (float32 math), or off the CPU (tested on the CPU only)
@@ -130,6 +138,9 @@ class MxnetOps(Ops):
         return np.max(x, axis=axis, keepdims=True)
 
     def sum(self, x, axis):
+        if axis == -1 and x.ndim > 1 and x.dtype in (onp.float32, onp.float64):
+            # its sum along an axis is 5-8x slower than a product with ones (long-sequence blocks)
+            return np.matmul(x, np.ones((x.shape[-1], 1), dtype=x.dtype, ctx=x.ctx))
         return np.sum(x, axis=axis, keepdims=True)
 
     def maximum(self, a, b):
