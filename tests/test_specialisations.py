@@ -316,3 +316,31 @@ def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatc
         offer = ops.masked_softmax_in_scores_memory(copy(bk, X), None, masks, True, True)
         if _offered(bk, "masked_softmax_in_scores_memory", offer):
             assert_close(bk, offer()[0], want_sm, dtype)
+
+
+@pytest.mark.parametrize("kind", ["none", "causal", "1d"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_past_memory_by_a_kernel(bk, dtype, kind):
+    """``attend_past_memory``'s specialisations (torch: SDPA's flash kernel; causal in blocks
+    of queries merged by their lse where nothing is differentiated), forced at a small size
+    with an odd number of queries, against the reference; what it does not take, it declines."""
+    offered = [name for name in specialise.ORDER["attend_past_memory"] if bk.name in OFFERED_BY[name]]
+    if not offered:
+        pytest.skip(f"{bk.name} offers no kernel for attention past memory")
+    ops = bk.module.ops
+    rng = np.random.default_rng(8)
+    n = 13
+    arrays = [rng.normal(size=(B, n, D)) for _ in range(3)]
+    q, k, v = (bk.tensor(a, dtype) for a in arrays)
+    a_q, a_k, a_v = (bk.numpy(t).astype(np.float64) for t in (q, k, v))
+    lens = np.array([5, 13, 1]) if kind == "1d" else None
+    masks = Masks(None if lens is None else bk.tensor(lens), None, kind == "causal")
+    want = ref.dot_product_attention(a_q, a_k, a_v, lens, causal=kind == "causal")[0]
+    for name in offered:
+        offer = getattr(ops, name)(q, k, v, masks, 1 / float(np.sqrt(D)))
+        assert _offered(bk, name, offer)
+        got, weights = offer()
+        assert weights is None
+        assert_close(bk, got, want, dtype)
+        mask = bk.tensor(rng.random((B, n, n)) < 0.5)
+        assert isinstance(getattr(ops, name)(q, k, v, Masks(None, mask, False), 1.0), str)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .. import fast_paths
+from .. import blockwise, fast_paths
 from .._machine import l2_cache_bytes, measured_faster
 from ..functional import bind
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports
@@ -223,8 +223,12 @@ class TorchOps(Ops):
 
     def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
         # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
-        if masks.none or (masks.causal and masks.valid_lens is None and masks.attention_mask is None):
-            return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=masks.causal), None)
+        if masks.none:
+            return lambda: (_sdpa(queries, keys, values, None, scale), None)
+        if masks.causal and masks.valid_lens is None and masks.attention_mask is None:
+            if _parts_apply(queries, keys, values):
+                return lambda: (_causal_in_parts(self, queries, keys, values, scale), None)
+            return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=True), None)
         lens = masks.valid_lens
         if not masks.one_length_per_sequence or not lens.is_cpu or torch.compiler.is_compiling():
             return "a mask SDPA's flash kernel does not take (it takes none, causal, one length per sequence)"
@@ -318,6 +322,50 @@ def _sdpa(queries, keys, values, mask, scale, is_causal=False):
         is_causal=is_causal,
     )
     return out.squeeze(1)
+
+
+# SDPA's CPU flash kernel with its log-sum-exp (the kernel F.scaled_dot_product_attention runs)
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _parts_apply(queries, keys, values):
+    """Whether causal attention may run in blocks of queries (``_causal_in_parts``): square, on
+    the CPU, in full precision, not differentiated (the kernel's lse has no gradient) nor
+    compiled."""
+    tensors = (queries, keys, values)
+    return (
+        _FLASH_WITH_LSE is not None
+        and queries.shape[-2] == keys.shape[-2] >= 2
+        and all(x.is_cpu and x.dtype in _FULL for x in tensors)
+        and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
+        and not torch.compiler.is_compiling()
+    )
+
+
+CAUSAL_PARTS = 4  # query blocks of a causal call on SDPA's flash kernel (benchmarks/RESULTS.md)
+
+
+def _causal_in_parts(ops, queries, keys, values, scale):
+    """Causal attention in CAUSAL_PARTS blocks of queries, each merged (blockwise.combine) from
+    the keys before it (no mask) and its own (causal): SDPA's causal flash kernel alone does
+    not halve the time."""
+    heads = queries.dim() == 4
+    q, k, v = (x if heads else x.unsqueeze(1) for x in (queries, keys, values))
+    n = q.shape[-2]
+    bounds = sorted({n * i // CAUSAL_PARTS for i in range(CAUSAL_PARTS + 1)})
+    outs = []
+    for start, stop in zip(bounds, bounds[1:]):
+        q_block = q[..., start:stop, :]
+        parts = [
+            _FLASH_WITH_LSE(q_block, k[..., start:stop, :], v[..., start:stop, :], 0.0, True, scale=scale)
+        ]
+        if start:
+            parts.append(
+                _FLASH_WITH_LSE(q_block, k[..., :start, :], v[..., :start, :], 0.0, False, scale=scale)
+            )
+        outs.append(parts[0][0] if len(parts) == 1 else blockwise.combine(ops, parts)[0])
+    out = torch.cat(outs, -2)
+    return out if heads else out.squeeze(1)
 
 
 def _flash_per_sequence(queries, keys, values, lengths, scale):
