@@ -51,11 +51,15 @@ class MlxOps(NumpyLikeOps):
     def custom_gradient(self, forward, backward, tensors, constants=()):
         n = len(tensors)
         # the constants are inputs too: a captured array would be a constant of the graph
-        function = mx.custom_function(lambda *args: tuple(forward(*args)))
+        function = mx.custom_function(lambda *args: tuple(forward(*map(_unrecorded, args))))
 
         @function.vjp
         def _(primals, cotangents, outputs):
-            grads = backward(tuple(primals[:n]), tuple(primals[n:]), tuple(outputs), tuple(cotangents))
+            self._in_backward += 1
+            try:
+                grads = backward(tuple(primals[:n]), tuple(primals[n:]), tuple(outputs), tuple(cotangents))
+            finally:
+                self._in_backward -= 1
             # zeros, not None: mlx would hand a None's place a wrong gradient
             return (*grads, *(mx.zeros_like(c) for c in primals[n:]))
 
@@ -67,7 +71,11 @@ class MlxOps(NumpyLikeOps):
         except ValueError:  # mx.compile and mx.vmap refuse the eval: values unknown there
             return None
 
+    _in_backward = 0  # inside a custom vjp an array evaluated is held to its end: stay lazy there
+
     def settle(self, x):
+        if self._in_backward:
+            return
         # mlx is lazy: without this one graph holds every additive block's features at once.
         # mx.eval is refused inside mx.compile and mx.vmap: there the blocks stay lazy.
         try:
@@ -82,6 +90,14 @@ class MlxOps(NumpyLikeOps):
         return functools.partial(
             fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
         )
+
+
+def _unrecorded(x):
+    """x as a new array outside any transformation's trace, where it can be evaluated: under
+    mx.vjp every array computed from a traced one is kept to the end, so the blocks of a
+    custom function's forward would all be held at once."""
+    values = ops.host_values(x)
+    return x if values is None else mx.array(values).astype(x.dtype)
 
 
 def _fused_kernel(queries, keys, values, mask, scale):
