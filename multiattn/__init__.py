@@ -15,6 +15,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
+from . import mods
 from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
 from ._registry import selected_backend as _selected_backend
 from .specialise import explained, primitives_only
@@ -37,6 +38,7 @@ __all__ = [
     "explained",
     "get_backend",
     "masked_softmax",
+    "mods",
     "multi_head_attention",
     "primitives_only",
 ]
@@ -48,12 +50,22 @@ def backend() -> str:
 
 
 def masked_softmax(
-    X: Any, valid_lens: Any = None, *, attention_mask: Any = None, causal: bool = False
+    X: Any,
+    valid_lens: Any = None,
+    *,
+    attention_mask: Any = None,
+    causal: bool = False,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Softmax over X's last axis, hidden positions exactly 0, on X's framework: positions
-    >= valid_lens, where attention_mask is False (True: may attend), and j > i when causal."""
+    >= valid_lens, where attention_mask is False (True: may attend), j > i when causal, and
+    where mask_mod(b, h, q_idx, kv_idx) is False; score_mod(score, b, h, q_idx, kv_idx) first,
+    on X (``multiattn.mods``)."""
     name = framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-    return get_backend(name).masked_softmax(X, valid_lens, attention_mask=attention_mask, causal=causal)
+    return get_backend(name).masked_softmax(
+        X, valid_lens, attention_mask=attention_mask, causal=causal, score_mod=score_mod, mask_mod=mask_mod
+    )
 
 
 def dot_product_attention(
@@ -67,6 +79,8 @@ def dot_product_attention(
     return_weights: bool = False,
     return_lse: bool = False,
     block_size: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments.
 
@@ -74,7 +88,9 @@ def dot_product_attention(
     ``return_lse=True`` also (last) lse (B, Q), the log of the sum of exp of each row's
     visible scores (-inf where none is), for ``combine_attention``.  Without the weights the
     scores are computed in blocks of ``block_size`` (None: automatically, where they would
-    not fit the budget; ``multiattn.blockwise``).
+    not fit the budget; ``multiattn.blockwise``).  ``score_mod(score, b, h, q_idx, kv_idx)``
+    on the scaled scores and ``mask_mod(b, h, q_idx, kv_idx)`` ANDed with the masks: your
+    own or ready-made ones (``multiattn.mods``).
     """
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
@@ -82,6 +98,7 @@ def dot_product_attention(
     return get_backend(name).dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
+        score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 
@@ -98,17 +115,20 @@ def additive_attention(
     causal: bool = False,
     return_weights: bool = False,
     block_size: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Additive attention with weight tensors in the canonical layout, on their framework:
     W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
-    block_size: as in ``dot_product_attention``."""
+    block_size, score_mod and mask_mod: as in ``dot_product_attention``."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
         attention_mask=attention_mask,
     )  # fmt: skip
     return get_backend(name).additive_attention(
         queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, attention_mask=attention_mask,
-        causal=causal, return_weights=return_weights, block_size=block_size,
+        causal=causal, return_weights=return_weights, block_size=block_size, score_mod=score_mod,
+        mask_mod=mask_mod,
     )  # fmt: skip
 
 
@@ -124,6 +144,8 @@ def multi_head_attention(
     causal: bool = False,
     return_weights: bool = False,
     block_size: Any = None,
+    score_mod: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
     weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
@@ -135,7 +157,7 @@ def multi_head_attention(
     return get_backend(name).multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
-        block_size=block_size,
+        block_size=block_size, score_mod=score_mod, mask_mod=mask_mod,
     )  # fmt: skip
 
 

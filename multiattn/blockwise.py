@@ -71,8 +71,13 @@ class Plan:
     are read on the host where the framework allows (``ops.host_values``); unknown, a
     block is PARTIAL.  Causality is known from the positions alone."""
 
-    def __init__(self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int) -> None:
-        self.ops, self.masks, self.block = ops, masks, block
+    def __init__(
+        self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int, like: Tensor = None
+    ) -> None:
+        self.ops, self.masks, self.block, self._like = ops, masks, block, like
+        lead = (1,) if like is None else tuple(ops.shape(like)[:-2])  # (B,) or (B, H)
+        self.batch, self.heads = lead[0], (lead[1] if len(lead) == 2 else None)
+        self.mod_values: dict = {}  # a mask function's blocks, evaluated to be classified
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
         self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
@@ -108,7 +113,25 @@ class Plan:
                     return SKIP, ()
                 if not seen.all():
                     parts.append("mask")
+        if masks.mask_mod is not None:
+            known = self._mod_kind((q0, q1, k0, k1))
+            if known is not None and not known[0]:
+                return SKIP, ()
+            if known is None or not known[1]:
+                parts.append("mod")
         return (PARTIAL if parts else FULL), tuple(parts)
+
+    def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
+        """(some key visible, every key) for the mask function over a block: from what it
+        knows, else from its booleans read on the host (kept for ``visibility``), else None."""
+        ops, mod = self.ops, self.masks.mask_mod
+        known = mod.classify(ops, block)
+        if known is not None:
+            return known
+        values = mod.values(ops, self._like, self.heads, block, self.batch)
+        self.mod_values[block] = values
+        host = ops.host_values(values)
+        return None if host is None else (bool(host.any()), bool(host.all()))
 
     def visibility(
         self, parts: Tuple[str, ...], q_block: Tensor, k_block: Tensor, q0: int, q1: int, k0: int, k1: int
@@ -124,6 +147,14 @@ class Plan:
             found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
         if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
             found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
+        if "mod" in parts:
+            block = (q0, q1, k0, k1)
+            values = self.mod_values.pop(block, None)
+            found.append(
+                masks.mask_mod.values(ops, q_block, self.heads, block, self.batch)
+                if values is None
+                else values
+            )
         return all_of(ops, found, len(ops.shape(q_block)))
 
     def visible_values(
@@ -154,7 +185,7 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
 
 # -- forward ---------------------------------------------------------------------------------------
 
-ScoreFn = Callable[[Tensor, Tensor], Tensor]
+ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
 
 
 def attention_in_blocks(
@@ -169,8 +200,9 @@ def attention_in_blocks(
     score: Optional[ScoreFn] = None,
 ) -> Tuple[Tensor, Tensor]:
     """(output (B, [H,] Q, v), lse (B, [H,] Q, 1)) of masked attention, the online softmax over
-    square blocks of ``block_size``.  score(query block, key block) -> its scores (default:
-    ``scale * q k^T``); queries and keys are whatever it takes, blocked along axis -2."""
+    square blocks of ``block_size``.  score(query block, key block, block=(q0, q1, k0, k1))
+    -> its scores (default: ``scale * q k^T``); queries and keys are whatever it takes,
+    blocked along axis -2."""
     like = values
     queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
@@ -181,8 +213,9 @@ def attention_in_blocks(
         )
     if score is None:
         queries = queries * scale  # once, not per block
-    plan = Plan(ops, masks, n_queries, n_keys, block_size)
-    first, update = _steps(ops, score, len(plan.query_blocks) * len(plan.key_blocks))
+    plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
+    n_blocks = len(plan.query_blocks) * len(plan.key_blocks)
+    first, update = _steps(ops, None, n_blocks) if score is None else (None, None)
     key_blocks = [(rows(keys, k0, k1), rows(values, k0, k1)) for k0, k1 in plan.key_blocks]
     outs, lses = [], []
     for q0, q1 in plan.query_blocks:
@@ -192,6 +225,8 @@ def attention_in_blocks(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
+            if score is not None:  # the caller's scores, told where the block is
+                first, update = _steps(ops, functools.partial(score, block=(q0, q1, k0, k1)), n_blocks)
             seen, v_seen = (), v_block
             if kind == PARTIAL:
                 seen = (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
@@ -337,7 +372,7 @@ def attention_in_blocks_backward(
     queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
     out, d_out = ops.widen(out), ops.widen(d_out)
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
-    plan = Plan(ops, masks, n_queries, n_keys, block_size)
+    plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
     row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
     if d_lse is not None:
         row_dot = row_dot - ops.widen(d_lse)
@@ -404,7 +439,7 @@ def attention(
     constants = tuple(getattr(masks, name) for name in names)
 
     def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
-        return Masks(**dict(zip(names, given)), causal=masks.causal)
+        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod)
 
     def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
         return attention_in_blocks(ops, q, k, v, rebuilt(given), block_size=block_size, scale=scale)

@@ -17,23 +17,27 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from . import blockwise, specialise
+from . import blockwise, mods, specialise
 from .masks import NO_MASKS, Masks, all_of, visibility, visible_values  # noqa: F401 (the steps')
 
 Tensor = Any
 Ops = Any  # protocol.Ops (not imported: protocol's specialisations build on this module)
 Dropout = Optional[Callable[[Tensor], Tensor]]
+ScoreMod = Optional[Callable[..., Tensor]]  # score_mod(score, b, h, q_idx, kv_idx), as in ``mods``
 
 
 # -- entry functions -----------------------------------------------------------------------
 
 
-def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS) -> Tensor:
+def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS, score_mod: ScoreMod = None) -> Tensor:
     """softmax over the last axis with the hidden positions weighted exactly 0:
-    w_ij = exp(x_ij) / sum_{l visible} exp(x_il) for j visible (``visibility``), else 0.
-    X is the caller's, never written."""
+    w_ij = exp(x_ij) / sum_{l visible} exp(x_il) for j visible (``visibility``), else 0;
+    score_mod (``mods``) first, on X.  X is the caller's, never written."""
     if 0 in ops.shape(X):
         return ops.zeros(ops.shape(X), X)
+    if score_mod is not None:
+        X = modified_scores(ops, score_mod, X)
+    masks = masks.with_mask_mod_evaluated(ops, X)
     weights = masked_weights(ops, X, None, masks, owned=False)[0]
     if not holds_non_finite(ops, weights):
         return weights
@@ -52,12 +56,14 @@ def dot_product_attention(
     need_weights: bool = True,
     block_size: Optional[int] = None,
     need_lse: bool = False,
+    score_mod: ScoreMod = None,
 ) -> tuple:
     """softmax(Q K^T / sqrt(d)) V, masked: (output (B, [H,] Q, v), weights (B, [H,] Q, K), or
     None for the weights where need_weights is False), and with need_lse a third, lse (B, [H,]
     Q), the log of the sum of exp of each row's visible scores (-inf where none is).
-    scale: 1 / sqrt(d) by default.  Without weights or dropout the scores are computed in
-    blocks (``blockwise``) of block_size, or where they would exceed the budget (None)."""
+    scale: 1 / sqrt(d) by default; score_mod (``mods``) on the scaled scores.  Without weights
+    or dropout the scores are computed in blocks (``blockwise``) of block_size, or where they
+    would exceed the budget (None)."""
     q_shape = ops.shape(queries)
     if 0 in q_shape[:-1] or ops.shape(keys)[-2] == 0:  # nothing to attend: no kernel runs
         out, weights = no_attention(ops, queries, keys, values)
@@ -68,15 +74,23 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
         if block_size is not None:
-            if not (forced or need_lse):  # a framework's kernel that never holds the scores whole
+            plain = masks.mask_mod is None and score_mod is None
+            if plain and not (forced or need_lse):  # a framework's kernel that never holds the scores whole
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
                     return done
-            out, lse = blockwise.attention(
-                ops, queries, keys, values, masks, scale=scale, block_size=block_size
-            )
+            if score_mod is None:
+                out, lse = blockwise.attention(
+                    ops, queries, keys, values, masks, scale=scale, block_size=block_size
+                )
+            else:  # the framework differentiates the blocks (and score_mod) itself
+                out, lse = blockwise.attention_in_blocks(
+                    ops, queries, keys, values, masks, block_size=block_size,
+                    score=functools.partial(_modified_dot_product_scores, ops, score_mod, scale),
+                )  # fmt: skip
+                lse = lse[..., 0]
             return (out, None, lse) if need_lse else (out, None)
-    args = (ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse)
+    args = (ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse, score_mod)
     result = _materialised(*args)
     if not holds_non_finite(ops, result[0]):
         return result
@@ -86,16 +100,29 @@ def dot_product_attention(
 
 
 def _materialised(
-    ops, queries, keys, values, masks, scale, dropout, need_weights, need_lse, rows_may_be_blank=False
+    ops,
+    queries,
+    keys,
+    values,
+    masks,
+    scale,
+    dropout,
+    need_weights,
+    need_lse,
+    score_mod,
+    rows_may_be_blank=False,
 ):
     """``dot_product_attention`` with the scores whole (or a framework's fused kernel)."""
-    if not (need_lse or rows_may_be_blank):
+    masks = masks.with_mask_mod_evaluated(ops, queries, _scores_shape(ops, queries, keys))
+    if not (need_lse or rows_may_be_blank or score_mod is not None):
         done = specialise.run(
             ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
         )
         if done is not None:
             return done
     scores = dot_product_scores(ops, queries, keys, scale)
+    if score_mod is not None:
+        scores = modified_scores(ops, score_mod, scores)
     lse = blockwise.log_sum_exp(ops, scores, visibility(ops, masks, scores)) if need_lse else None
     out, weights = attend(
         ops, scores, values, masks, dropout, exact=need_weights, rows_may_be_blank=rows_may_be_blank
@@ -117,24 +144,35 @@ def additive_attention(
     dropout: Dropout = None,
     need_weights: bool = True,
     block_size: Optional[int] = None,
+    score_mod: ScoreMod = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """a(q, k) = w_v^T tanh(W_q q + W_k k), no biases: (output, weights, or None where
     need_weights is False).  project_q and project_k: q -> W_q q and k -> W_k k (the canonical
-    weights', or a layer's own maps).  Without weights or dropout the features and scores are
-    made in blocks (``blockwise``) of block_size, or where the scores would exceed the budget."""
+    weights', or a layer's own maps); score_mod (``mods``) on the scores.  Without weights or
+    dropout the features and scores are made in blocks (``blockwise``) of block_size, or where
+    the scores would exceed the budget."""
     if nothing_to_attend(ops, queries, keys):
         return no_attention(ops, queries, keys, values)
     q_hidden, k_hidden = project_q(queries), project_k(keys)
+    batch = ops.shape(queries)[0]
+
+    def scores_of(q, k, block=None):
+        found = additive_scores(ops, q, k, ops.widen(w_v) if block else w_v, NO_MASKS if block else masks)
+        if score_mod is None:
+            return found
+        block = block or (0, ops.shape(q)[-2], 0, ops.shape(k)[-2])
+        return mods.apply_score_mod(ops, score_mod, found, block, batch)
+
     if not need_weights and dropout is None:
         per_score = ops.shape(q_hidden)[-1] or 1  # the features of a block are its scores x hiddens
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, per_score)
         if block_size is not None:  # the framework differentiates the blocks itself
             out, _ = blockwise.attention_in_blocks(
-                ops, q_hidden, k_hidden, values, masks, block_size=block_size,
-                score=lambda q, k: additive_scores(ops, q, k, ops.widen(w_v)),
-            )  # fmt: skip
+                ops, q_hidden, k_hidden, values, masks, block_size=block_size, score=scores_of
+            )
             return out, None
-    scores = additive_scores(ops, q_hidden, k_hidden, w_v, masks)
+    masks = masks.with_mask_mod_evaluated(ops, queries, _scores_shape(ops, queries, keys))
+    scores = scores_of(q_hidden, k_hidden)
     out, weights = attend(ops, scores, values, masks, dropout)
     if holds_non_finite(ops, out):  # the row rule, as in dot_product_attention
         out, weights = attend(ops, scores, values, masks, dropout, rows_may_be_blank=True)
@@ -154,6 +192,7 @@ def multi_head_attention(
     dropout: Dropout = None,
     need_weights: bool = True,
     block_size: Optional[int] = None,
+    score_mod: ScoreMod = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
     attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
@@ -172,12 +211,28 @@ def multi_head_attention(
     q, k, v = (ops.split_heads(project[n](x), num_heads) for n, x in zip("qkv", (queries, keys, values)))
     scale = 1.0 / math.sqrt(num_hiddens // num_heads)
     heads, weights = dot_product_attention(
-        ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size
-    )
+        ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size,
+        score_mod=score_mod,
+    )  # fmt: skip
     return project["o"](ops.merge_heads(heads)), weights
 
 
 # -- steps ---------------------------------------------------------------------------------
+
+
+def _scores_shape(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
+    return tuple(ops.shape(queries)[:-1]) + (ops.shape(keys)[-2],)
+
+
+def modified_scores(ops: Ops, score_mod: Callable[..., Tensor], scores: Tensor) -> Tensor:
+    """score_mod on the whole scores (B, [H,] Q, K)."""
+    shape = ops.shape(scores)
+    return mods.apply_score_mod(ops, score_mod, scores, (0, shape[-2], 0, shape[-1]), shape[0])
+
+
+def _modified_dot_product_scores(ops, score_mod, scale, q, k, block):
+    """A block's scaled dot-product scores, then score_mod on them."""
+    return mods.apply_score_mod(ops, score_mod, ops.scaled_matmul_t(q, k, scale), block, ops.shape(q)[0])
 
 
 def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) -> Tensor:

@@ -27,19 +27,25 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
     check = ops.check_tensors
 
     def masked_softmax(
-        X: Tensor, valid_lens: Tensor = None, *, attention_mask: Tensor = None, causal: bool = False
+        X: Tensor,
+        valid_lens: Tensor = None,
+        *,
+        attention_mask: Tensor = None,
+        causal: bool = False,
+        score_mod: Any = None,
+        mask_mod: Any = None,
     ) -> Tensor:
         """Softmax over X's last axis; hidden positions (j >= valid_lens, attention_mask
-        False, j > i when causal) are exactly 0."""
+        False, j > i when causal, mask_mod False) are exactly 0; score_mod first, on X."""
         if not (
             type(X) in known
             and (valid_lens is None or type(valid_lens) in known)
             and (attention_mask is None or type(attention_mask) in known)
         ):
             check(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-        return core.masked_softmax(
-            ops, X, validation.softmax_call(ops, X, valid_lens, attention_mask, causal)
-        )
+        masks = validation.softmax_call(ops, X, valid_lens, attention_mask, causal)
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        return core.masked_softmax(ops, X, masks, score_mod=score_mod)
 
     def dot_product_attention(
         queries: Tensor,
@@ -52,9 +58,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         return_weights: bool = False,
         return_lse: bool = False,
         block_size: Any = None,
+        score_mod: Any = None,
+        mask_mod: Any = None,
     ) -> Any:
         """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights); with return_lse,
-        lse (B, Q) last: the log of the sum of exp of each row's visible scores.
+        lse (B, Q) last: the log of the sum of exp of each row's visible scores.  score_mod
+        and mask_mod: ``multiattn.mods``.
 
         Without return_weights the framework's fused kernel runs where there is one, and the
         scores are computed in blocks of block_size (None: where they would not fit).
@@ -74,11 +83,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         block_size = validation.check_block_size(block_size, return_weights)
         validation.check_flag("return_lse", return_lse)
         result = core.dot_product_attention(
             ops, queries, keys, values, masks, need_weights=return_weights, block_size=block_size,
-            need_lse=return_lse,
+            need_lse=return_lse, score_mod=score_mod,
         )  # fmt: skip
         return validation.returned(result, return_weights, return_lse)
 
@@ -95,9 +105,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         causal: bool = False,
         return_weights: bool = False,
         block_size: Any = None,
+        score_mod: Any = None,
+        mask_mod: Any = None,
     ) -> Any:
         """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,);
-        without return_weights in blocks of block_size (None: where the scores would not fit)."""
+        without return_weights in blocks of block_size (None: where the scores would not fit).
+        score_mod and mask_mod: ``multiattn.mods``."""
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
             attention_mask=attention_mask,
@@ -106,11 +119,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.additive_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, query_size, key_size
         )
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         block_size = validation.check_block_size(block_size, return_weights)
         out, weights = core.additive_attention(
             ops, queries, keys, values, masks, w_v=w_v,
             project_q=lambda q: ops.matmul_t(q, W_q), project_k=lambda k: ops.matmul_t(k, W_k),
-            need_weights=return_weights, block_size=block_size,
+            need_weights=return_weights, block_size=block_size, score_mod=score_mod,
         )  # fmt: skip
         return (out, weights) if return_weights else out
 
@@ -126,6 +140,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         causal: bool = False,
         return_weights: bool = False,
         block_size: Any = None,
+        score_mod: Any = None,
+        mask_mod: Any = None,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
         W_v (h, v), W_o (h, h) and optionally b_q, b_k, b_v, b_o (h,); with return_weights,
@@ -143,13 +159,14 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         project = {
             n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n))
             for n in "qkvo"
         }
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
-            need_weights=return_weights, block_size=block_size,
+            need_weights=return_weights, block_size=block_size, score_mod=score_mod,
         )  # fmt: skip
         return (out, attention) if return_weights else out
 

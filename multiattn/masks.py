@@ -11,26 +11,48 @@ Ops = Any  # protocol.Ops
 
 class Masks:
     """Lengths (B,) or (B, Q) (key j visible for j < length), a boolean mask broadcastable to
-    the scores (True: may attend), causality (key j visible from query i for j <= i); a key is
-    visible only where all of them allow it.  Built by ``validation.gather_masks``; what the
-    steps ask of it is answered once, here (``none``, ``only_lengths``,
-    ``one_length_per_sequence``: lengths alone, one per sequence (B,), so that every query of
-    a sequence sees the same keys)."""
+    the scores (True: may attend), causality (key j visible from query i for j <= i), a mask
+    function (``mods.MaskFunction``); a key is visible only where all of them allow it.  Built
+    by ``validation.gather_masks``; what the steps ask of it is answered once, here (``none``,
+    ``only_lengths``, ``one_length_per_sequence``: lengths alone, one per sequence (B,), so
+    that every query of a sequence sees the same keys)."""
 
-    __slots__ = ("valid_lens", "attention_mask", "causal", "none", "only_lengths", "one_length_per_sequence")
+    __slots__ = (
+        "valid_lens", "attention_mask", "causal", "mask_mod",
+        "none", "only_lengths", "one_length_per_sequence",
+    )  # fmt: skip
 
     def __init__(
-        self, valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False
+        self,
+        valid_lens: Tensor = None,
+        attention_mask: Tensor = None,
+        causal: bool = False,
+        mask_mod: Any = None,
     ) -> None:
         self.valid_lens, self.attention_mask, self.causal = valid_lens, attention_mask, causal
-        others = attention_mask is not None or causal
+        self.mask_mod = mask_mod
+        others = attention_mask is not None or causal or mask_mod is not None
         self.none = valid_lens is None and not others
         self.only_lengths = valid_lens is not None and not others
         self.one_length_per_sequence = self.only_lengths and len(valid_lens.shape) == 1
 
     def __repr__(self) -> str:
         lens, mask = self.valid_lens, self.attention_mask
-        return f"Masks(valid_lens={lens!r}, attention_mask={mask!r}, causal={self.causal})"
+        mod = "" if self.mask_mod is None else f", mask_mod={self.mask_mod!r}"
+        return f"Masks(valid_lens={lens!r}, attention_mask={mask!r}, causal={self.causal}{mod})"
+
+    def with_mask_mod_evaluated(self, ops: Ops, like: Tensor, shape: Optional[tuple] = None) -> "Masks":
+        """These masks with the mask function's booleans for every (query, key) of scores of
+        shape (B, [H,] Q, K) (default: like's, a tensor on their device) ANDed into
+        attention_mask: what every path but the blocks takes."""
+        if self.mask_mod is None:
+            return self
+        shape = tuple(ops.shape(like)) if shape is None else shape
+        heads = shape[1] if len(shape) == 4 else None
+        found = self.mask_mod.values(ops, like, heads, (0, shape[-2], 0, shape[-1]), shape[0])
+        if self.attention_mask is not None:
+            found = all_of(ops, [self.attention_mask, found], len(shape))
+        return Masks(self.valid_lens, found, self.causal)
 
 
 NO_MASKS = Masks()

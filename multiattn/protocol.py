@@ -120,6 +120,20 @@ class Primitives:
         """``x`` where mask is true, the scalar ``fill`` elsewhere (mask broadcast); never in place."""
         raise NotImplementedError
 
+    def select(self, condition: Tensor, x: Any, y: Any) -> Tensor:
+        """x where condition is true, else y, broadcast: tensors of one dtype, or one of them a
+        Python number (taking the other's dtype); never in place."""
+        raise NotImplementedError
+
+    def positions(self, start: int, stop: int, like: Tensor) -> Tensor:
+        """The integers start .. stop - 1, 1-D, in an integer dtype, on like's device."""
+        raise NotImplementedError
+
+    def constant(self, values: Any, like: Tensor) -> Tensor:
+        """A tensor of the numpy array's values (its kind: integers stay integers, floats stay
+        floating), on like's device."""
+        raise NotImplementedError
+
     def lowest(self, x: Tensor) -> float:
         """The most negative finite value of x's dtype."""
         raise NotImplementedError
@@ -212,8 +226,8 @@ class Ops(Primitives, Specialisations):
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
     "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
-    "split_heads", "merge_heads", "where", "lowest", "cast", "widen", "exp", "log", "max", "sum",
-    "maximum",
+    "split_heads", "merge_heads", "where", "select", "positions", "constant", "lowest", "cast",
+    "widen", "exp", "log", "max", "sum", "maximum",
 )  # fmt: skip
 
 

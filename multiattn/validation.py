@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from .masks import NO_MASKS, Masks
+from .mods import as_mask_function
 from .protocol import Ops, Shape, Tensor
 
 
@@ -285,6 +286,16 @@ def check_multi_head_weights(
 def check_flag(arg: str, value: Any) -> None:
     if value is not True and value is not False:
         raise TypeError(f"{arg} must be True or False, got {value!r}")
+
+
+def with_mods(score_mod: Any, mask_mod: Any, masks: Masks) -> tuple:
+    """(score_mod, the masks with mask_mod), each checked: a function or None."""
+    for arg, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{arg} must be a function ({arg}(...) as in multiattn.mods) or None, got {fn!r}")
+    if mask_mod is None:
+        return score_mod, masks
+    return score_mod, Masks(masks.valid_lens, masks.attention_mask, masks.causal, as_mask_function(mask_mod))
 
 
 def check_block_size(block_size: Any, return_weights: Any) -> Any:

@@ -172,3 +172,26 @@ def multi_head_attention(
                     for c in range(head * d, (head + 1) * d):
                         concat[b, i, c] += attn[b, head, i, j] * v_p[b, j, c]
     return project(concat, weights["W_o"], weights.get("b_o")), attn
+
+
+# -- score and mask functions (issue: mods), by loops over every (b, h, i, j) ----------------
+
+
+def function_mask(shape, fn) -> np.ndarray:
+    """visible[b, (h,) i, j] = fn(b, h, i, j) for scores of shape (B, [H,] Q, K); h = 0 for
+    3-D scores."""
+    out = np.zeros(shape, dtype=bool)
+    for index in np.ndindex(tuple(shape)):
+        b, i, j = index[0], index[-2], index[-1]
+        out[index] = bool(fn(b, index[1] if len(shape) == 4 else 0, i, j))
+    return out
+
+
+def modified_scores(scores, fn) -> np.ndarray:
+    """scores[b, (h,) i, j] replaced by fn(score, b, h, i, j)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    out = np.empty_like(scores)
+    for index in np.ndindex(scores.shape):
+        b, i, j = index[0], index[-2], index[-1]
+        out[index] = fn(float(scores[index]), b, index[1] if scores.ndim == 4 else 0, i, j)
+    return out

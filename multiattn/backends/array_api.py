@@ -92,6 +92,20 @@ class ArrayApiOps(Ops):
         xp = array_namespace(x)
         return xp.where(mask, x, xp.asarray(fill, dtype=x.dtype, device=device(x)))
 
+    def select(self, condition, x, y):
+        xp = array_namespace(*(t for t in (condition, x, y) if hasattr(t, "shape")))
+        x = x if hasattr(x, "shape") else xp.asarray(x, dtype=y.dtype, device=device(y))
+        return xp.where(
+            condition, x, y if hasattr(y, "shape") else xp.asarray(y, dtype=x.dtype, device=device(x))
+        )
+
+    def positions(self, start, stop, like):
+        return array_namespace(like).arange(start, stop, device=device(like))
+
+    def constant(self, values, like):
+        xp = array_namespace(like)
+        return xp.asarray(values, dtype=getattr(xp, str(values.dtype)), device=device(like))
+
     def lowest(self, x):
         return float(array_namespace(x).finfo(x.dtype).min)
 

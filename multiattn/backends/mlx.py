@@ -48,6 +48,9 @@ class MlxOps(NumpyLikeOps):
     def where(self, mask, x, fill):
         return mx.where(mask, x, fill)  # a Python float is weakly typed: x's dtype stays
 
+    def constant(self, values, like):
+        return from_numpy(values)
+
     def custom_gradient(self, forward, backward, tensors, constants=()):
         n = len(tensors)
         # the constants are inputs too: a captured array would be a constant of the graph

@@ -119,6 +119,18 @@ class MxnetOps(Ops):
     def where(self, mask, x, fill):
         return np.where(mask, x, np.array(fill, dtype=x.dtype))
 
+    def select(self, condition, x, y):
+        x = x if isinstance(x, np.ndarray) else np.array(x, dtype=y.dtype, ctx=y.ctx)
+        return np.where(
+            condition, x, y if isinstance(y, np.ndarray) else np.array(y, dtype=x.dtype, ctx=x.ctx)
+        )
+
+    def positions(self, start, stop, like):
+        return np.arange(start, stop, dtype="int64", ctx=like.ctx)
+
+    def constant(self, values, like):
+        return np.array(values, dtype=values.dtype, ctx=like.ctx)
+
     def lowest(self, x):
         return float(onp.finfo(x.dtype).min)
 

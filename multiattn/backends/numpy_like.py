@@ -63,6 +63,15 @@ class NumpyLikeOps(Ops):
     def where(self, mask, x, fill):
         return self.xp.where(mask, x, self.xp.asarray(fill, dtype=x.dtype))
 
+    def select(self, condition, x, y):
+        return self.xp.where(condition, x, y)
+
+    def positions(self, start, stop, like):
+        return self.xp.arange(start, stop)
+
+    def constant(self, values, like):
+        return self.xp.asarray(values)
+
     def lowest(self, x):
         return float(self.xp.finfo(x.dtype).min)
 

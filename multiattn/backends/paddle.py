@@ -129,6 +129,18 @@ class PaddleOps(Ops):
     def where(self, mask, x, fill):
         return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))
 
+    def select(self, condition, x, y):
+        x = x if isinstance(x, paddle.Tensor) else paddle.full([], x, dtype=y.dtype)
+        return paddle.where(
+            condition, x, y if isinstance(y, paddle.Tensor) else paddle.full([], y, dtype=x.dtype)
+        )
+
+    def positions(self, start, stop, like):
+        return paddle.arange(start, stop)
+
+    def constant(self, values, like):
+        return paddle.to_tensor(values, place=like.place)
+
     def lowest(self, x):
         return float(paddle.finfo(x.dtype).min)
 

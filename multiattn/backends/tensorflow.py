@@ -122,6 +122,16 @@ class TensorFlowOps(Ops):
     def where(self, mask, x, fill):
         return tf.where(mask, x, tf.constant(fill, dtype=x.dtype))
 
+    def select(self, condition, x, y):
+        x = x if tf.is_tensor(x) else tf.constant(x, dtype=y.dtype)
+        return tf.where(condition, x, y if tf.is_tensor(y) else tf.constant(y, dtype=x.dtype))
+
+    def positions(self, start, stop, like):
+        return tf.range(start, stop)
+
+    def constant(self, values, like):
+        return tf.constant(values)
+
     def lowest(self, x):
         return float(tf.as_dtype(x.dtype).min)
 

@@ -159,6 +159,15 @@ class TorchOps(Ops):
     def where(self, mask, x, fill):
         return torch.where(mask, x, _constant(fill, x))
 
+    def select(self, condition, x, y):
+        return torch.where(condition, x, y)
+
+    def positions(self, start, stop, like):
+        return torch.arange(start, stop, device=like.device)
+
+    def constant(self, values, like):
+        return torch.as_tensor(values, device=like.device)
+
     def lowest(self, x):
         return _LOWEST[x.dtype]
 

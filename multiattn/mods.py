@@ -1,0 +1,359 @@
+"""Score and mask functions of your own, written once for every framework (FlexAttention's
+signatures, without its compiler), and ready-made ones.
+
+    score_mod(score, b, h, q_idx, kv_idx) -> score      mask_mod(b, h, q_idx, kv_idx) -> bool
+
+The arguments are the backend's own arrays, broadcastable to the scores' shape (B, H, Q, K):
+b (B, 1, 1, 1), h (1, H, 1, 1) (0 for 3-D calls, which have no heads), q_idx (1, 1, Q, 1),
+kv_idx (1, 1, 1, K); score is the scaled score (after 1/sqrt(d)), before any mask.  A mask
+function ANDs with the lengths, ``attention_mask`` and ``causal``.  Write them with Python
+operators and the helpers here (``where``, ``tanh``, ``logical_and``, ``logical_or``: mxnet
+refuses & and | on booleans), which dispatch on the array's type, and they run unchanged on
+every backend, eagerly and under the frameworks' jit.
+
+The ready-made ones know which blocks of (queries x keys) they hide entirely or show
+entirely, so attention in blocks (``multiattn.blockwise``) skips the first and does not mask
+the second without evaluating them; a function of your own is evaluated per block and read
+on the host where the framework allows (its blocks are skipped too, after the evaluation).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ._registry import framework_of, get_backend
+
+Tensor = Any
+Ops = Any
+
+
+# -- helpers for what operators cannot say ---------------------------------------------------
+
+
+def _ops_of(*xs: Any) -> Ops:
+    for x in xs:
+        name = framework_of(x)
+        if name is not None:
+            return get_backend(name).ops
+    raise TypeError("expected an array of one of the backends among the arguments, got none")
+
+
+def where(condition: Tensor, x: Any, y: Any) -> Tensor:
+    """x where condition is true, else y (arrays of one backend, or Python numbers)."""
+    return _ops_of(condition, x, y).select(condition, x, y)
+
+
+def tanh(x: Tensor) -> Tensor:
+    """The hyperbolic tangent of x, elementwise."""
+    return _ops_of(x).tanh(x)
+
+
+def logical_and(a: Tensor, b: Tensor) -> Tensor:
+    """a and b, elementwise (the operator & refuses booleans on mxnet)."""
+    return _ops_of(a, b).logical_and(a, b)
+
+
+def logical_or(a: Tensor, b: Tensor) -> Tensor:
+    """a or b, elementwise (the operator | refuses booleans on mxnet)."""
+    return _ops_of(a, b).select(a, True, b)
+
+
+def _on(ops: Ops, x: Any, like: Tensor) -> Tensor:
+    """x as a tensor of ops' backend: itself, or its values (numbers, numpy, another's)."""
+    return x if framework_of(x) == ops.name else ops.constant(np.asarray(x), like)
+
+
+# -- the functions as the core evaluates them ------------------------------------------------
+
+Block = Tuple[int, int, int, int]  # q0, q1, k0, k1: queries [q0, q1) and keys [k0, k1)
+
+
+class MaskFunction:
+    """A mask function: called as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``; for the
+    core, ``values`` (its booleans for a block) and ``classify`` (what it shows of a block,
+    known without evaluating it, or None)."""
+
+    def __call__(self, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def values(self, ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch: int) -> Tensor:
+        """Its booleans for a block, broadcastable to (B, H, bq, bk) (heads None: (B, bq, bk))."""
+        return call_with_positions(ops, self, like, heads, block, batch)
+
+    def classify(self, ops: Ops, block: Block) -> Optional[Tuple[bool, bool]]:
+        """(whether some key of the block may be seen, whether every one is), over every batch
+        row and head, known on the host without evaluating the block; None: not known."""
+        return None
+
+
+class _UserMask(MaskFunction):
+    def __init__(self, fn: Callable[..., Tensor]) -> None:
+        self.fn = fn
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def __repr__(self) -> str:
+        return f"mask_mod({getattr(self.fn, '__name__', self.fn)!r})"
+
+
+def as_mask_function(fn: Any) -> MaskFunction:
+    return fn if isinstance(fn, MaskFunction) else _UserMask(fn)
+
+
+def positions(ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch: int) -> tuple:
+    """(b, h, q_idx, kv_idx) for a block, each 4-D, broadcastable to (B, H, bq, bk)."""
+    q0, q1, k0, k1 = block
+    b = ops.positions(0, batch, like)
+    for _ in range(3):
+        b = ops.expand_dims(b, -1)
+    h = ops.positions(0, heads or 1, like)
+    h = ops.expand_dims(ops.expand_dims(ops.expand_dims(h, -1), -1), 0)
+    q = ops.expand_dims(ops.expand_dims(ops.expand_dims(ops.positions(q0, q1, like), -1), 0), 0)
+    k = ops.positions(k0, k1, like)
+    for _ in range(3):
+        k = ops.expand_dims(k, 0)
+    return b, h, q, k
+
+
+def _to_rank(ops: Ops, x: Tensor, heads: Optional[int]) -> Tensor:
+    """A 4-D answer as the call's scores are: 3-D where the call has no heads."""
+    if heads is None and len(ops.shape(x)) == 4:
+        return x[:, 0, ...]
+    return x
+
+
+def call_with_positions(ops, fn, like, heads, block, batch) -> Tensor:
+    mask = fn(*positions(ops, like, heads, block, batch))
+    if framework_of(mask) is None or ops.dtype_kind(mask) != "b":
+        raise TypeError(
+            f"mask_mod must return a boolean array of the backend (broadcastable to the scores), got "
+            f"{getattr(mask, 'dtype', type(mask).__name__)}"
+        )
+    return _to_rank(ops, mask, heads)
+
+
+def apply_score_mod(ops: Ops, score_mod: Callable, scores: Tensor, block: Block, batch: int) -> Tensor:
+    """score_mod on a block of scores (B, [H,] bq, bk) whose queries and keys start at q0, k0."""
+    heads = ops.shape(scores)[1] if len(ops.shape(scores)) == 4 else None
+    four = scores if heads is not None else ops.expand_dims(scores, 1)
+    b, h, q, k = positions(ops, scores, heads, block, batch)
+    out = score_mod(four, b, h, q, k)
+    if framework_of(out) is None:
+        raise TypeError(f"score_mod must return an array of the backend, got {type(out).__name__}")
+    return _to_rank(ops, out, heads)
+
+
+# -- ready-made masks ------------------------------------------------------------------------
+
+
+def _ints(value: Any, arg: str) -> np.ndarray:
+    values = np.asarray(value)
+    if values.dtype.kind not in "iu" or values.ndim > 1:
+        raise TypeError(f"{arg} must be an int or a 1-D array of ints, got {value!r}")
+    return values
+
+
+class sliding_window(MaskFunction):
+    """Key j visible from query i iff 0 <= i - j < w: the causal band of width w."""
+
+    def __init__(self, w: int) -> None:
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"sliding_window's w must be an int >= 1, got {w!r}")
+        self.w = w
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        distance = q_idx - kv_idx
+        return logical_and(distance >= 0, distance < self.w)
+
+    def classify(self, ops, block):
+        q0, q1, k0, k1 = block
+        lo, hi = q0 - (k1 - 1), (q1 - 1) - k0  # the distances i - j of the block
+        return (hi >= 0 and lo < self.w), (lo >= 0 and hi < self.w)
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.w})"
+
+
+class prefix_lm(MaskFunction):
+    """Key j visible from query i iff j <= i or j < n: the first n positions see each other
+    (the prefix), the rest causally; n an int or one per sequence ((B,) ints)."""
+
+    def __init__(self, n: Any) -> None:
+        self.n = _ints(n, "prefix_lm's n")
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        if self.n.ndim == 0:
+            n = int(self.n)
+        else:  # one per sequence: (B, 1, 1, 1)
+            ops = _ops_of(q_idx)
+            n = ops.cast(ops.constant(self.n.reshape(-1, 1, 1, 1), q_idx), q_idx)
+        return logical_or(kv_idx <= q_idx, kv_idx < n)
+
+    def classify(self, ops, block):
+        q0, q1, k0, k1 = block
+        lo, hi = int(self.n.min()), int(self.n.max())
+        some = k0 <= q1 - 1 or k0 < hi
+        # a key hidden from some query: j > i and j >= n for some j in [k0, k1), i in [q0, q1)
+        return some, not (max(k0, lo, q0 + 1) < k1)
+
+    def __repr__(self) -> str:
+        return f"prefix_lm({self.n.tolist()!r})"
+
+
+class document(MaskFunction):
+    """Key j visible from query i iff both belong to the same document of a packed sequence:
+    ids (B, N) the document of each position (``document(q_ids, kv_ids)`` where queries and
+    keys differ: (B, Q) and (B, K)); arrays of the backend or numpy."""
+
+    def __init__(self, q_ids: Any, kv_ids: Any = None) -> None:
+        self.q_ids, self.kv_ids = q_ids, (q_ids if kv_ids is None else kv_ids)
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        raise TypeError("document(ids) is evaluated by multiattn's calls; it takes no index arrays")
+
+    def values(self, ops, like, heads, block, batch):
+        q0, q1, k0, k1 = block
+        q_ids, kv_ids = _on(ops, self.q_ids, like), _on(ops, self.kv_ids, like)
+        q_part = ops.expand_dims(ops.expand_dims(q_ids[:, q0:q1], -1), 1)  # (B, 1, bq, 1)
+        kv_part = ops.expand_dims(ops.expand_dims(kv_ids[:, k0:k1], 1), 1)  # (B, 1, 1, bk)
+        return _to_rank(ops, q_part == kv_part, heads)
+
+    def classify(self, ops, block):
+        found = []
+        for ids in (self.q_ids, self.kv_ids):
+            values = ops.host_values(ids) if framework_of(ids) == ops.name else np.asarray(ids)
+            if values is None:  # traced: not known
+                return None
+            found.append(np.asarray(values))
+        q0, q1, k0, k1 = block
+        q_ids, kv_ids = found[0][:, q0:q1], found[1][:, k0:k1]
+        some = any(np.intersect1d(q, k).size for q, k in zip(q_ids, kv_ids))
+        every = all(q.min() == q.max() == k.min() == k.max() for q, k in zip(q_ids, kv_ids))
+        return some, every
+
+    def __repr__(self) -> str:
+        return "document(ids)"
+
+
+class and_masks(MaskFunction):
+    """Visible iff every one of the mask functions shows the key."""
+
+    def __init__(self, *fns: Any) -> None:
+        if not fns:
+            raise ValueError("and_masks needs at least one mask function")
+        self.fns = [as_mask_function(fn) for fn in fns]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        found = self.fns[0](b, h, q_idx, kv_idx)
+        for fn in self.fns[1:]:
+            found = logical_and(found, fn(b, h, q_idx, kv_idx))
+        return found
+
+    def values(self, ops, like, heads, block, batch):
+        found = None
+        for fn in self.fns:
+            mask = fn.values(ops, like, heads, block, batch)
+            found = mask if found is None else ops.logical_and(found, mask)
+        return found
+
+    def classify(self, ops, block):
+        known = [fn.classify(ops, block) for fn in self.fns]
+        if any(k is not None and not k[0] for k in known):
+            return False, False
+        if all(k is not None and k[1] for k in known):
+            return True, True
+        return None
+
+    def __repr__(self) -> str:
+        return f"and_masks({', '.join(map(repr, self.fns))})"
+
+
+class or_masks(MaskFunction):
+    """Visible iff some one of the mask functions shows the key."""
+
+    def __init__(self, *fns: Any) -> None:
+        if not fns:
+            raise ValueError("or_masks needs at least one mask function")
+        self.fns = [as_mask_function(fn) for fn in fns]
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        found = self.fns[0](b, h, q_idx, kv_idx)
+        for fn in self.fns[1:]:
+            found = logical_or(found, fn(b, h, q_idx, kv_idx))
+        return found
+
+    def values(self, ops, like, heads, block, batch):
+        found = None
+        for fn in self.fns:
+            mask = fn.values(ops, like, heads, block, batch)
+            found = mask if found is None else ops.select(found, True, mask)
+        return found
+
+    def classify(self, ops, block):
+        known = [fn.classify(ops, block) for fn in self.fns]
+        if any(k is not None and k[1] for k in known):
+            return True, True
+        if all(k is not None and not k[0] for k in known):
+            return False, False
+        return None
+
+    def __repr__(self) -> str:
+        return f"or_masks({', '.join(map(repr, self.fns))})"
+
+
+# -- ready-made score functions --------------------------------------------------------------
+
+
+class softcap:
+    """score -> c * tanh(score / c) (Gemma 2's soft-capping), applied before any mask."""
+
+    def __init__(self, c: float) -> None:
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c > 0:
+            raise ValueError(f"softcap's c must be a number > 0, got {c!r}")
+        self.c = float(c)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return tanh(score / self.c) * self.c
+
+    def __repr__(self) -> str:
+        return f"softcap({self.c:g})"
+
+
+class alibi:
+    """score -> score + slopes[h] * (j - i) (ALiBi, Press et al. 2022): a linear penalty with
+    the distance, one slope per head; slopes (H,) numbers or an array of the backend."""
+
+    def __init__(self, slopes: Sequence[float]) -> None:
+        self.slopes = slopes if framework_of(slopes) not in (None, "numpy") else np.asarray(slopes, float)
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        ops = _ops_of(score)
+        slopes = _on(ops, self.slopes, score)
+        heads = ops.shape(score)[1]
+        if ops.shape(slopes)[0] != heads:
+            raise ValueError(f"alibi has {ops.shape(slopes)[0]} slopes for scores with {heads} heads")
+        slopes = ops.expand_dims(ops.expand_dims(ops.expand_dims(slopes, -1), -1), 0)  # (1, H, 1, 1)
+        return score + ops.cast(slopes, score) * ops.cast(kv_idx - q_idx, score)
+
+    def __repr__(self) -> str:
+        return "alibi(slopes)"
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The paper's slopes: the geometric sequence 2^(-8 i / n), i = 1..n, for n a power of two;
+    otherwise those of the power of two below, then every other one of the next (its code)."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+
+    def power_of_two(n: int) -> list:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    below = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = power_of_two(below)
+    if below < num_heads:
+        slopes += power_of_two(2 * below)[0::2][: num_heads - below]
+    return np.array(slopes)
