@@ -273,3 +273,30 @@ def test_alibi_slopes_are_the_papers():
     np.testing.assert_allclose(mods.alibi_slopes(4), [2 ** (-2 * (i + 1)) for i in range(4)])
     # not a power of two: those of 4, then every other one of 8's (the paper's code)
     np.testing.assert_allclose(mods.alibi_slopes(6), [2**-2, 2**-4, 2**-6, 2**-8, 2**-1, 2**-3])
+
+
+# -- the layers' calls ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["dot", "additive", "multi_head"])
+def test_the_layers_take_score_and_mask_functions(bk, kind):
+    """Each layer's call with score_mod and mask_mod gives what the functions give with the
+    layer's canonical weights (the functions are held to the reference above)."""
+    rng = np.random.default_rng(12)
+    q, k, v = (bk.tensor(rng.normal(size=(B, n, 4)), "float32") for n in (Q, K, K))
+    lens = bk.tensor(LENS)
+    kw = dict(mask_mod=mods.sliding_window(3), score_mod=mods.softcap(0.8))
+    if kind == "dot":
+        layer, want = bk.dot(), multiattn.dot_product_attention(q, k, v, lens, **kw)
+    elif kind == "additive":
+        layer = bk.additive(4, 4, 6)
+        w = {n: bk.tensor(x, "float32") for n, x in layer.get_weights().items()}
+        want = multiattn.additive_attention(q, k, v, lens, **w, **kw)
+    else:
+        layer = bk.multi_head(8, 2, query_size=4, key_size=4, value_size=4)
+        w = {n: bk.tensor(x, "float32") for n, x in layer.get_weights().items()}
+        want = multiattn.multi_head_attention(q, k, v, lens, weights=w, num_heads=2, **kw)
+    got = bk.call(layer, q, k, v, lens, **kw)
+    np.testing.assert_allclose(bk.numpy(got), bk.numpy(want), rtol=1e-5, atol=1e-6)
+    unmodified = bk.numpy(bk.call(layer, q, k, v, lens))
+    assert not np.allclose(unmodified, bk.numpy(got)), "the functions changed nothing"

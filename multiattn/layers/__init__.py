@@ -178,16 +178,19 @@ class AttentionCall:
         )
 
     def _dot_product(
-        self, queries, keys, values, valid_lens, dropout, need_weights=True, attention_mask=None, causal=False
-    ):
+        self, queries, keys, values, valid_lens, dropout, need_weights=True, attention_mask=None,
+        causal=False, score_mod=None, mask_mod=None,
+    ):  # fmt: skip
         """(output, weights or None) of dot-product attention."""
         self._check(queries, keys, values, valid_lens, attention_mask)
         masks = validation.dot_product_call(
             self._ops, queries, keys, values, valid_lens, attention_mask, causal
         )
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         return core.dot_product_attention(
-            self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights
-        )
+            self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights,
+            score_mod=score_mod,
+        )  # fmt: skip
 
     def _project(self, name: str, like: Tensor) -> Callable[[Tensor], Tensor]:
         """x -> W x (+ b) with this layer's parameters W_<name> (and b_<name>), cast to like's
@@ -199,20 +202,27 @@ class AttentionCall:
             return lambda x: core.linear(ops, x, W, b)
         return lambda x: ops.matmul(x, W) if b is None else ops.matmul(x, W) + b
 
-    def _additive(self, queries, keys, values, valid_lens, dropout, attention_mask=None, causal=False):
+    def _additive(
+        self, queries, keys, values, valid_lens, dropout, attention_mask=None, causal=False, score_mod=None,
+        mask_mod=None,
+    ):  # fmt: skip
         """(output, weights) of additive attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
         ops = self._ops
         masks = validation.additive_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, self.query_size, self.key_size
         )
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         return core.additive_attention(
             ops, queries, keys, values, masks,
             project_q=self._project("q", queries), project_k=self._project("k", queries),
-            w_v=ops.cast(self._w_v(), queries), dropout=dropout,
+            w_v=ops.cast(self._w_v(), queries), dropout=dropout, score_mod=score_mod,
         )  # fmt: skip
 
-    def _multi_head(self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal):
+    def _multi_head(
+        self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal,
+        score_mod=None, mask_mod=None,
+    ):  # fmt: skip
         """(output, weights or None) of multi-head attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
         sizes = (self.query_size, self.key_size, self.value_size)
@@ -228,8 +238,9 @@ class AttentionCall:
             self.num_hiddens,
             sizes,
         )
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
         return core.multi_head_attention(
             self._ops, queries, keys, values, masks,
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
-            num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights,
+            num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights, score_mod=score_mod,
         )  # fmt: skip

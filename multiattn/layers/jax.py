@@ -74,11 +74,11 @@ class DotProductAttention(_Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False,
+        return_weights: bool = False, score_mod=None, mask_mod=None,
     ):  # fmt: skip
         result = self._dot_product(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal,
+            attention_mask, causal, score_mod, mask_mod,
         )  # fmt: skip
         return self._finish(result, return_weights)
 
@@ -111,9 +111,11 @@ class AdditiveAttention(AdditiveWeights, _Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False,
+        return_weights: bool = False, score_mod=None, mask_mod=None,
     ):  # fmt: skip
-        result = self._additive(queries, keys, values, valid_lens, self.dropout, attention_mask, causal)
+        result = self._additive(
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
+        )
         return self._finish(result, return_weights)
 
 
@@ -154,11 +156,11 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False,
+        return_weights: bool = False, score_mod=None, mask_mod=None,
     ):  # fmt: skip
         result = self._multi_head(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal,
+            attention_mask, causal, score_mod, mask_mod,
         )  # fmt: skip
         return self._finish(result, return_weights)
 

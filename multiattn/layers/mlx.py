@@ -55,10 +55,28 @@ class DotProductAttention(_Layer):
         self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
 
     def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
     ) -> mx.array:
         out, self._attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self._dropout_now(), self._need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout_now(),
+            self._need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -77,10 +95,19 @@ class AdditiveAttention(AdditiveWeights, _Layer):
         return self.w_v.weight[0]
 
     def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
     ) -> mx.array:
         out, self._attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
         return out
 
@@ -115,10 +142,28 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, bias=self.bias)
 
     def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
     ) -> mx.array:
         out, self._attention_weights = self._multi_head(
-            queries, keys, values, valid_lens, self._dropout_now(), self._need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout_now(),
+            self._need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 

@@ -24,9 +24,22 @@ class _Block(AttentionCall, nn.Block):
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         # Gluon's Block.__call__ passes positional arguments only
-        return super().__call__(queries, keys, values, valid_lens, attention_mask, causal)
+        return super().__call__(
+            queries, keys, values, valid_lens, attention_mask, causal, score_mod, mask_mod
+        )
 
     def _parameter(self, name):
         return self._variable(name).data()
@@ -45,9 +58,28 @@ class DotProductAttention(_Block):
         self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights = None
 
-    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self.dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -75,9 +107,19 @@ class AdditiveAttention(AdditiveWeights, _Block):
     def _w_v(self):
         return self.w_v.weight.data()[0]
 
-    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
         return out
 
@@ -116,8 +158,27 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
         self.attention_weights = None
         self.initialize()
 
-    def forward(self, queries, keys, values, valid_lens=None, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._multi_head(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self.dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out

@@ -66,9 +66,29 @@ class DotProductAttention(_Layer):
         super().__init__(dropout, seed)
         self.need_weights = need_weights  # False: attention_weights is not kept
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self._dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -98,9 +118,20 @@ class AdditiveAttention(AdditiveWeights, _Layer):
     def _w_v(self):
         return self.w_v
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self._dropout, attention_mask, causal
+            queries, keys, values, valid_lens, self._dropout, attention_mask, causal, score_mod, mask_mod
         )
         return out
 
@@ -135,8 +166,28 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         super().__init__(dropout, seed)
         self._init_parameters(dtype)
 
-    def __call__(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def __call__(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._multi_head(
-            queries, keys, values, valid_lens, self._dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out

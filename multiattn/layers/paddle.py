@@ -75,9 +75,29 @@ class DotProductAttention(_Layer):
         self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights: Optional[paddle.Tensor] = None
 
-    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._dot_product(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self.dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -97,9 +117,20 @@ class AdditiveAttention(AdditiveWeights, _Layer):
     def _w_v(self):
         return self.w_v.weight[:, 0]
 
-    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal
+            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
         return out
 
@@ -136,9 +167,29 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[paddle.Tensor] = None
 
-    def forward(self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False):
+    def forward(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        *,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._multi_head(
-            queries, keys, values, valid_lens, self.dropout, self.need_weights, attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self.dropout,
+            self.need_weights,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 

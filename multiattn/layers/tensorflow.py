@@ -81,7 +81,18 @@ class DotProductAttention(_Layer):
         super().__init__(dropout, **kwargs)
         self.need_weights = need_weights  # False: attention_weights is not kept (no fused TF kernel)
 
-    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
+    def call(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        training=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._dot_product(
             queries,
             keys,
@@ -91,6 +102,8 @@ class DotProductAttention(_Layer):
             self.need_weights,
             attention_mask,
             causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -122,9 +135,28 @@ class AdditiveAttention(AdditiveWeights, _Weighted):
     def _w_v(self):
         return tf.reshape(self.w_v, [-1])
 
-    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
+    def call(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        training=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self._dropout(training), attention_mask, causal
+            queries,
+            keys,
+            values,
+            valid_lens,
+            self._dropout(training),
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
@@ -173,7 +205,18 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
                 )
         self.built = True
 
-    def call(self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False):
+    def call(
+        self,
+        queries,
+        keys,
+        values,
+        valid_lens=None,
+        training=None,
+        attention_mask=None,
+        causal=False,
+        score_mod=None,
+        mask_mod=None,
+    ):
         out, self.attention_weights = self._multi_head(
             queries,
             keys,
@@ -183,6 +226,8 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             self.need_weights,
             attention_mask,
             causal,
+            score_mod,
+            mask_mod,
         )
         return out
 
