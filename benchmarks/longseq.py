@@ -6,8 +6,9 @@
         --out /tmp/ls-mxnet.md
 
 B = 1, one head, 3-D inputs (1, N, 64), float32, no weights; for each N (``--longseq-n``,
-default 4096, 16384, 65536) three cases: ``plain``; ``causal`` (causal=True); ``lengths``
-(valid_lens = [N // 4]: 3/4 of the keys hidden).  Implementations (``IMPLS``):
+default 4096, 16384, 65536) five cases: ``plain``; ``causal`` (causal=True); ``lengths``
+(valid_lens = [N // 4]: 3/4 of the keys hidden); ``window`` (mask_mod=mods.sliding_window(512));
+``documents`` (mask_mod=mods.document of 16 equal documents).  Implementations (``IMPLS``):
 
 * ``blocks``: ``dot_product_attention(q, k, v, lens, causal=..., block_size=BLOCK)``, the core's
   blocks forced on every backend, BLOCK the automatic choice
@@ -47,7 +48,10 @@ import statistics
 import sys
 import time
 
-CASES = ("plain", "causal", "lengths")
+# mask functions (multiattn.mods): a causal band of WINDOW keys; DOCUMENTS equal documents
+MOD_CASES = ("window", "documents")
+CASES = ("plain", "causal", "lengths") + MOD_CASES
+WINDOW, DOCUMENTS = 512, 16
 GRAD = "fwd+bwd"
 IMPLS = ("blocks", "default", "floor", "sdpa")
 D = 64
@@ -112,6 +116,7 @@ def prepare(backend: str, module, n: int, key: str, block: int, sync):
     case, impl = key.split("/")
     q, k, v, lens, cotangent = _inputs(backend, module, n)
     causal, lengths = case == "causal", (lens if case == "lengths" else None)
+    mask_mod = _mask_mod(case, n)
     if impl in ("blocks", "default"):
         size = block if impl == "blocks" else None
         if case == GRAD:
@@ -122,7 +127,7 @@ def prepare(backend: str, module, n: int, key: str, block: int, sync):
             call = lambda: module.vjp(attend, [q, k, v], cotangent)  # noqa: E731
         else:
             call = lambda: module.dot_product_attention(  # noqa: E731
-                q, k, v, lengths, causal=causal, block_size=size
+                q, k, v, lengths, causal=causal, block_size=size, mask_mod=mask_mod
             )
     elif impl == "floor":
         floor, args = _floor(backend), (q, k, v, lens)
@@ -285,14 +290,28 @@ def parse_caps(text: str) -> dict:
     return caps
 
 
+def _mask_mod(case: str, n: int):
+    """The mask function of a case of MOD_CASES, else None."""
+    if case not in MOD_CASES:
+        return None
+    import numpy as np
+
+    from multiattn import mods
+
+    if case == "window":
+        return mods.sliding_window(WINDOW)
+    return mods.document(np.repeat(np.arange(DOCUMENTS), -(-n // DOCUMENTS))[None, :n])
+
+
 def keys_for(backend: str, n: int, floor_max_bytes: float) -> list:
     keys = [f"{case}/blocks" for case in CASES]
+    masks = [case for case in CASES if case not in MOD_CASES]  # mods: the default call is the blocks
     if scores_fit_budget(n) or backend == "torch":  # else the automatic call is these blocks
-        keys += [f"{case}/default" for case in CASES]
+        keys += [f"{case}/default" for case in masks]
     if floor_fits(n, floor_max_bytes):
         keys.append("plain/floor")
     if backend == "torch":
-        keys += [f"{case}/sdpa" for case in CASES]
+        keys += [f"{case}/sdpa" for case in masks]
     return keys
 
 
@@ -473,6 +492,8 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         f"Thread settings: {threads}.",
         "",
         f"- B=1, one head, inputs (1, N, {D}), float32, no weights.  Cases: `plain`; `causal` (causal=True);",
+        f"  `window` (mask_mod=mods.sliding_window({WINDOW})); `documents` (mods.document: {DOCUMENTS} "
+        "equal ones);",
         "  `lengths` (valid_lens=[N//4]: 3/4 of the keys hidden); "
         f"`{GRAD}`: the backend's vjp of the blocks, plain",
         "  (the output and the gradients of q, k, v).",
@@ -489,8 +510,8 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         "- `SDPA` (torch): F.scaled_dot_product_attention on (1, 1, N, 64) (4-D: its flash kernel), "
         "is_causal for `causal`,",
         "  the first N//4 keys and values for `lengths`.",
-        f"- ratio: `plain` blocks / floor; `causal` and `lengths` blocks / plain blocks; `{GRAD}` / plain "
-        "forward blocks.",
+        "- ratio: `plain` blocks / floor; `causal`, `lengths`, `window`, `documents` blocks / plain blocks;",
+        f"  `{GRAD}` / plain forward blocks.",
         "- jax runs the blocks eagerly (under jit every block would be traced, the lengths as tracers: no "
         "block skipped);",
         "  its floor is jit-compiled before it is timed.",

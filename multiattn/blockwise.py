@@ -129,9 +129,11 @@ class Plan:
         if known is not None:
             return known
         values = mod.values(ops, self._like, self.heads, block, self.batch)
-        self.mod_values[block] = values
         host = ops.host_values(values)
-        return None if host is None else (bool(host.any()), bool(host.all()))
+        known = None if host is None else (bool(host.any()), bool(host.all()))
+        if known is None or (known[0] and not known[1]):  # to be masked: kept for ``visibility``
+            self.mod_values[block] = values
+        return known
 
     def visibility(
         self, parts: Tuple[str, ...], q_block: Tensor, k_block: Tensor, q0: int, q1: int, k0: int, k1: int
