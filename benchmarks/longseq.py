@@ -492,11 +492,10 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         f"Thread settings: {threads}.",
         "",
         f"- B=1, one head, inputs (1, N, {D}), float32, no weights.  Cases: `plain`; `causal` (causal=True);",
-        f"  `window` (mask_mod=mods.sliding_window({WINDOW})); `documents` (mods.document: {DOCUMENTS} "
-        "equal ones);",
         "  `lengths` (valid_lens=[N//4]: 3/4 of the keys hidden); "
-        f"`{GRAD}`: the backend's vjp of the blocks, plain",
-        "  (the output and the gradients of q, k, v).",
+        f"`window` (mask_mod=mods.sliding_window({WINDOW}));",
+        f"  `documents` (mods.document: {DOCUMENTS} equal ones); `{GRAD}`: the backend's vjp of the blocks, "
+        "plain (the output and the gradients of q, k, v).",
         "- `blocks`: dot_product_attention(..., block_size=BLOCK), the core's online softmax forced "
         "(the automatic",
         f"  choice's block, from the L2 per core: {block}, times `compiled_block_scale` where the steps "
