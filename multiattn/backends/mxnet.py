@@ -83,7 +83,7 @@ class MxnetOps(Ops):
         return npx.softmax(x, axis=-1)
 
     def softmax_with_lse(self, x):
-        # its fused softmax is 3-5x faster than its max, exp and sum (long-sequence blocks); x
+        # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long sequences); x
         # finite: lse = x_0 - log w_0, from its (less precise) log_softmax where w_0 underflows
         w = npx.softmax(x, axis=-1)
         x0, w0 = x[..., :1], w[..., :1]
@@ -151,7 +151,7 @@ class MxnetOps(Ops):
 
     def sum(self, x, axis):
         if axis == -1 and x.ndim > 1 and x.dtype in (onp.float32, onp.float64):
-            # its sum along an axis is 5-8x slower than a product with ones (long-sequence blocks)
+            # its sum along an axis is slower than a product with ones (benchmarks/RESULTS.md, long sequences)
             return np.matmul(x, np.ones((x.shape[-1], 1), dtype=x.dtype, ctx=x.ctx))
         return np.sum(x, axis=axis, keepdims=True)
 
