@@ -275,7 +275,10 @@ def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     """One key block shown whole through the framework's fused softmax (``ops.softmax_with_lse``):
     the block's own weights W and lse_b (Rabe & Staats: a chunk's normalised output and its
     log-sum-exp) merged into (m, l, O) as a block whose max is lse_b and whose sum is 1."""
-    w, lse = ops.softmax_with_lse(s)
+    found = ops.softmax_with_lse(s)
+    if found is None:  # the framework cannot tell this block's lse: the formula
+        return _online(ops, s, v, state)
+    w, lse = found
     o_block = ops.matmul(w, v)
     if state is None:
         return lse, ops.zeros(ops.shape(lse), lse) + 1.0, o_block

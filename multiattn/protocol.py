@@ -201,6 +201,7 @@ class Primitives:
 
     # (softmax(x), log sum exp(x)) along the last axis, keepdims, where the framework's fused
     # softmax is faster than its max, exp and sum: blockwise takes it for the blocks shown whole
+    # (a call may return None: that block by the formula)
     softmax_with_lse: Optional[Callable[[Tensor], Tuple[Tensor, Tensor]]] = None
 
     # where the block steps are compiled (``compiled``), the compiler fuses a block's passes:

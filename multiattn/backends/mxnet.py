@@ -83,12 +83,14 @@ class MxnetOps(Ops):
         return npx.softmax(x, axis=-1)
 
     def softmax_with_lse(self, x):
-        # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long sequences); x
-        # finite: lse = x_0 - log w_0, from its (less precise) log_softmax where w_0 underflows
+        # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long
+        # sequences): lse = x_0 - log w_0, where every row's first weight is a normal number
+        # (else: w_0 underflows, or the row is NaN or all -inf; the block takes the formula)
         w = npx.softmax(x, axis=-1)
         x0, w0 = x[..., :1], w[..., :1]
-        rough = x0 - npx.log_softmax(x, axis=-1)[..., :1]
-        return w, np.where(w0 > 1e-30, x0 - np.log(np.maximum(w0, 1e-30)), rough)
+        if not bool((w0 > 1e-30).all()):
+            return None
+        return w, x0 - np.log(w0)
 
     def _softmax_owned(self, x):
         # the weights take the scores' memory; not while autograd records (softmax's backward
