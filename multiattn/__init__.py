@@ -146,18 +146,20 @@ def multi_head_attention(
     block_size: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    num_kv_heads: Any = None,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
     weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
     optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
-    ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``."""
+    ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``.  ``num_kv_heads``:
+    grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows)."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
     return get_backend(name).multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
-        block_size=block_size, score_mod=score_mod, mask_mod=mask_mod,
+        block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,
     )  # fmt: skip
 
 

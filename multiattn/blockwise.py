@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any, Callable, List, Optional, Tuple
 
-from . import _machine
+from . import _machine, heads
 from .masks import Masks, all_of, visible_values
 
 Tensor = Any
@@ -258,12 +258,12 @@ def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     if state is None:
         m_new = ops.max(s, -1)
         p = ops.exp(s - _finite(ops, m_new))
-        return m_new, ops.sum(p, -1), ops.matmul(p, v)
+        return m_new, ops.sum(p, -1), heads.matmul(ops, p, v)
     m, total, o = state
     m_new = ops.maximum(m, ops.max(s, -1))
     top = _finite(ops, m_new)
     p, rescale = ops.exp(s - top), ops.exp(_finite(ops, m) - top)
-    return m_new, rescale * total + ops.sum(p, -1), rescale * o + ops.matmul(p, v)
+    return m_new, rescale * total + ops.sum(p, -1), rescale * o + heads.matmul(ops, p, v)
 
 
 def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
@@ -279,7 +279,7 @@ def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     if found is None:  # the framework cannot tell this block's lse: the formula
         return _online(ops, s, v, state)
     w, lse = found
-    o_block = ops.matmul(w, v)
+    o_block = heads.matmul(ops, w, v)
     if state is None:
         return lse, ops.zeros(ops.shape(lse), lse) + 1.0, o_block
     m, total, o = state
@@ -327,7 +327,7 @@ def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
     if score is None and ops.softmax_with_lse is not None:  # dot-product blocks shown whole: finite
         kinds = ((_first_fused, _first_masked), (_update_fused, _update_masked))
     if score is None and n_blocks < COMPILE_MIN_BLOCKS:
-        score = ops.matmul_t
+        score = functools.partial(heads.matmul_t, ops)
     if score is not None:  # as it is (or a closure over the caller's weights)
         return tuple(
             (functools.partial(plain, ops, score), functools.partial(masked, ops, score))
@@ -336,8 +336,8 @@ def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
     steps = _COMPILED.get(id(ops))
     if steps is None or steps[0] is not ops:
         made = tuple(
-            (ops.compiled(functools.partial(plain, ops, ops.matmul_t)),
-             ops.compiled(functools.partial(masked, ops, ops.matmul_t)))
+            (ops.compiled(functools.partial(plain, ops, functools.partial(heads.matmul_t, ops))),
+             ops.compiled(functools.partial(masked, ops, functools.partial(heads.matmul_t, ops))))
             for plain, masked in kinds
         )  # fmt: skip
         steps = _COMPILED[id(ops)] = (ops, made)
@@ -377,6 +377,7 @@ def attention_in_blocks_backward(
     queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
     out, d_out = ops.widen(out), ops.widen(d_out)
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    kv_heads = ops.shape(keys)[1] if len(ops.shape(keys)) == 4 else None
     plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
     row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
     if d_lse is not None:
@@ -404,15 +405,15 @@ def attention_in_blocks_backward(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            s, v_seen = ops.matmul_t(q_scaled, k_block), v_block
+            s, v_seen = heads.matmul_t(ops, q_scaled, k_block), v_block
             if kind == PARTIAL:
                 seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
                 s, v_seen = _masked(ops, s, seen), plan.visible_values(parts, v_block, seen, q1, k1)
             p = ops.exp(s - lse_block)
-            ds = p * (ops.matmul_t(do_block, v_seen) - dot_block)
-            dv_part = ops.matmul(ops.matrix_transpose(p), do_block)
-            dk_part = ops.matmul(ops.matrix_transpose(ds), q_block)
-            dq_part = ops.matmul(ds, k_block)
+            ds = p * (heads.matmul_t(ops, do_block, v_seen) - dot_block)
+            dv_part = heads.summed_tn(ops, p, do_block, kv_heads)
+            dk_part = heads.summed_tn(ops, ds, q_block, kv_heads)
+            dq_part = heads.matmul(ops, ds, k_block)
             dv = dv_part if dv is None else dv + dv_part
             dk = dk_part if dk is None else dk + dk_part
             d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part

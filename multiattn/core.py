@@ -17,7 +17,7 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from . import blockwise, mods, specialise
+from . import blockwise, heads, mods, specialise
 from .masks import NO_MASKS, Masks, all_of, visibility, visible_values  # noqa: F401 (the steps')
 
 Tensor = Any
@@ -74,7 +74,7 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
         if block_size is not None:
-            plain = masks.mask_mod is None and score_mod is None
+            plain = masks.mask_mod is None and score_mod is None and not grouped(ops, queries, keys)
             if plain and not (forced or need_lse):  # a framework's kernel that never holds the scores whole
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
@@ -114,7 +114,7 @@ def _materialised(
 ):
     """``dot_product_attention`` with the scores whole (or a framework's fused kernel)."""
     masks = masks.with_mask_mod_evaluated(ops, queries, _scores_shape(ops, queries, keys))
-    if not (need_lse or rows_may_be_blank or score_mod is not None):
+    if not (need_lse or rows_may_be_blank or score_mod is not None or grouped(ops, queries, keys)):
         done = specialise.run(
             ops, "dot_product_attend", queries, keys, values, masks, scale, dropout, need_weights
         )
@@ -193,12 +193,15 @@ def multi_head_attention(
     need_weights: bool = True,
     block_size: Optional[int] = None,
     score_mod: ScoreMod = None,
+    num_kv_heads: Optional[int] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
     attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
     project: "q", "k", "v", "o" -> x -> W x (+ b).  Returns (output (B, Q, num_hiddens),
     weights (B, H, Q, K) or None where need_weights is False).  block_size: as in
-    ``dot_product_attention``."""
+    ``dot_product_attention``.  num_kv_heads (default num_heads): grouped-query attention,
+    W_k and W_v give num_kv_heads heads of the same width, query head i using key/value head
+    i // (num_heads / num_kv_heads) (``heads``), the keys and values never repeated."""
     (batch, n_queries), n_keys = ops.shape(queries)[:2], ops.shape(keys)[1]
     if 0 in (batch, n_queries):
         return (
@@ -208,7 +211,9 @@ def multi_head_attention(
     if n_keys == 0:  # every row fully masked: the heads give 0
         heads = ops.zeros((batch, n_queries, num_hiddens), queries)
         return project["o"](heads), ops.zeros((batch, num_heads, n_queries, 0), queries)
-    q, k, v = (ops.split_heads(project[n](x), num_heads) for n, x in zip("qkv", (queries, keys, values)))
+    kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    q = ops.split_heads(project["q"](queries), num_heads)
+    k, v = (ops.split_heads(project[n](x), kv_heads) for n, x in zip("kv", (keys, values)))
     scale = 1.0 / math.sqrt(num_hiddens // num_heads)
     heads, weights = dot_product_attention(
         ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size,
@@ -218,6 +223,12 @@ def multi_head_attention(
 
 
 # -- steps ---------------------------------------------------------------------------------
+
+
+def grouped(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
+    """Whether query heads share key/value heads (``heads``): the frameworks' fused kernels
+    are not asked (most take one key head per query head)."""
+    return heads.groups(ops, queries, keys) > 1
 
 
 def _scores_shape(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
@@ -232,12 +243,14 @@ def modified_scores(ops: Ops, score_mod: Callable[..., Tensor], scores: Tensor) 
 
 def _modified_dot_product_scores(ops, score_mod, scale, q, k, block):
     """A block's scaled dot-product scores, then score_mod on them."""
-    return mods.apply_score_mod(ops, score_mod, ops.scaled_matmul_t(q, k, scale), block, ops.shape(q)[0])
+    scores = heads.scaled_matmul_t(ops, q, k, scale)
+    return mods.apply_score_mod(ops, score_mod, scores, block, ops.shape(q)[0])
 
 
 def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) -> Tensor:
-    """a(q, k) = q^T k / sqrt(d): (B, [H,] Q, d), (B, [H,] K, d) -> (B, [H,] Q, K)."""
-    return ops.scaled_matmul_t(queries, keys, scale)
+    """a(q, k) = q^T k / sqrt(d): (B, [H,] Q, d), (B, [H,] K, d) -> (B, [H,] Q, K); keys may
+    have fewer heads, each shared by a group of query heads (``heads``)."""
+    return heads.scaled_matmul_t(ops, queries, keys, scale)
 
 
 def additive_scores(
@@ -338,7 +351,7 @@ def softmax_where(
 
 def attention_pooling(ops: Ops, weights: Tensor, values: Tensor, dropout: Dropout = None) -> Tensor:
     """f(q, (k_1, v_1), ..., (k_m, v_m)) = sum_i alpha(q, k_i) v_i, dropout on the weights."""
-    return ops.matmul(weights if dropout is None else dropout(weights), values)
+    return heads.matmul(ops, weights if dropout is None else dropout(weights), values)
 
 
 def linear(ops: Ops, x: Tensor, W: Tensor, b: Tensor = None) -> Tensor:

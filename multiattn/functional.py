@@ -142,18 +142,23 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         block_size: Any = None,
         score_mod: Any = None,
         mask_mod: Any = None,
+        num_kv_heads: Any = None,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
         W_v (h, v), W_o (h, h) and optionally b_q, b_k, b_v, b_o (h,); with return_weights,
         (output (B, Q, h), weights (B, num_heads, Q, K)); without, in blocks of block_size
-        (None: where the scores would not fit)."""
+        (None: where the scores would not fit).  num_kv_heads: grouped-query attention, W_k,
+        W_v (and b_k, b_v) of num_kv_heads * h / num_heads rows, query head i using key/value
+        head i // (num_heads / num_kv_heads)."""
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask,
             **tensors,
         )  # fmt: skip
         validation.check_attention_inputs(ops, queries, keys, values, valid_lens)
-        validation.check_multi_head_weights(ops, weights, num_heads, queries, keys, values)
+        num_kv_heads = validation.check_multi_head_weights(
+            ops, weights, num_heads, queries, keys, values, num_kv_heads
+        )
         num_hiddens = ops.shape(weights["W_q"])[0]
         block_size = validation.check_block_size(block_size, return_weights)
         masks = validation.multi_head_call(
@@ -166,7 +171,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         }
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
-            need_weights=return_weights, block_size=block_size, score_mod=score_mod,
+            need_weights=return_weights, block_size=block_size, score_mod=score_mod, num_kv_heads=num_kv_heads,
         )  # fmt: skip
         return (out, attention) if return_weights else out
 

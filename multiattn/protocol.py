@@ -116,6 +116,10 @@ class Primitives:
         """(B, H, n, d) -> (B, n, H * d), the inverse of ``split_heads``."""
         raise NotImplementedError
 
+    def reshape(self, x: Tensor, shape: Shape) -> Tensor:
+        """x's elements, in row-major order, in ``shape`` (ints; one of them may be -1)."""
+        raise NotImplementedError
+
     def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
         """``x`` where mask is true, the scalar ``fill`` elsewhere (mask broadcast); never in place."""
         raise NotImplementedError
@@ -227,7 +231,7 @@ class Ops(Primitives, Specialisations):
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
     "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
-    "split_heads", "merge_heads", "where", "select", "positions", "constant", "lowest", "cast",
+    "split_heads", "merge_heads", "reshape", "where", "select", "positions", "constant", "lowest", "cast",
     "widen", "exp", "log", "max", "sum", "maximum",
 )  # fmt: skip
 

@@ -4,7 +4,7 @@ expected and the actual value.  Framework-free, through ``protocol.Ops``."""
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from .masks import NO_MASKS, Masks
 from .mods import as_mask_function
@@ -219,21 +219,44 @@ def check_num_heads(num_heads: Any, num_hiddens: Any) -> int:
     return num_heads
 
 
+def check_num_kv_heads(num_kv_heads: Any, num_heads: int) -> int:
+    """The key/value heads of grouped-query attention (None: num_heads, one per query head)."""
+    if num_kv_heads is None:
+        return num_heads
+    if isinstance(num_kv_heads, bool) or not hasattr(num_kv_heads, "__index__") or num_kv_heads <= 0:
+        raise ValueError(f"num_kv_heads must be a positive integer or None, got {num_kv_heads!r}")
+    num_kv_heads = num_kv_heads.__index__()
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_kv_heads ({num_kv_heads}) must divide num_heads ({num_heads}): each key/value head "
+            "serves num_heads / num_kv_heads query heads"
+        )
+    return num_kv_heads
+
+
+def kv_hiddens(num_hiddens: int, num_heads: int, num_kv_heads: Optional[int]) -> int:
+    """The width of the projected keys and values: num_kv_heads heads of num_hiddens / num_heads."""
+    return num_hiddens if num_kv_heads is None else num_hiddens // num_heads * num_kv_heads
+
+
 MULTI_HEAD_WEIGHTS = ("W_q", "W_k", "W_v", "W_o")
 MULTI_HEAD_BIASES = ("b_q", "b_k", "b_v", "b_o")
 
 
 def multi_head_weight_shapes(
-    num_hiddens: Any, query_size: Any, key_size: Any, value_size: Any, bias: bool
+    num_hiddens: Any, query_size: Any, key_size: Any, value_size: Any, bias: bool, kv_width: Any = None
 ) -> dict:
-    """The canonical multi-head weights' shapes, by name."""
+    """The canonical multi-head weights' shapes, by name; kv_width: the rows of W_k and W_v
+    (``kv_hiddens``; default num_hiddens)."""
+    kv = num_hiddens if kv_width is None else kv_width
     shapes = {
         "W_q": (num_hiddens, query_size),
-        "W_k": (num_hiddens, key_size),
-        "W_v": (num_hiddens, value_size),
+        "W_k": (kv, key_size),
+        "W_v": (kv, value_size),
         "W_o": (num_hiddens, num_hiddens),
     }
-    return {**shapes, **({name: (num_hiddens,) for name in MULTI_HEAD_BIASES} if bias else {})}
+    biases = {"b_q": (num_hiddens,), "b_k": (kv,), "b_v": (kv,), "b_o": (num_hiddens,)}
+    return {**shapes, **(biases if bias else {})}
 
 
 def check_weight_names(weights: Any, bias: Any = None) -> bool:
@@ -257,10 +280,11 @@ def check_weight_names(weights: Any, bias: Any = None) -> bool:
 
 
 def check_multi_head_weights(
-    ops: Ops, weights: Any, num_heads: Any, queries: Tensor, keys: Tensor, values: Tensor
-) -> None:
+    ops: Ops, weights: Any, num_heads: Any, queries: Tensor, keys: Tensor, values: Tensor,
+    num_kv_heads: Any = None,
+) -> int:
     """Canonical multi-head weights for these inputs, in the queries' dtype; ValueError naming
-    the key, the expected and the actual shape."""
+    the key, the expected and the actual shape.  Returns num_kv_heads checked."""
     has_bias = check_weight_names(weights)
     W_q = weights["W_q"]
     if len(ops.shape(W_q)) != 2:
@@ -268,19 +292,23 @@ def check_multi_head_weights(
             f"weights['W_q'] must have shape (num_hiddens, query_size), got {fmt(ops.shape(W_q))}"
         )
     num_hiddens = ops.shape(W_q)[0]
-    check_num_heads(num_heads, num_hiddens)
+    num_heads = check_num_heads(num_heads, num_hiddens)
+    num_kv_heads = check_num_kv_heads(num_kv_heads, num_heads)
     widths = (ops.shape(x)[-1] for x in (queries, keys, values))
-    for name, expected in multi_head_weight_shapes(num_hiddens, *widths, has_bias).items():
+    kv_width = kv_hiddens(num_hiddens, num_heads, num_kv_heads)
+    for name, expected in multi_head_weight_shapes(num_hiddens, *widths, has_bias, kv_width).items():
         tensor = weights[name]
         shape = ops.shape(tensor)
         if len(shape) != len(expected) or not all(same(a, b) for a, b in zip(shape, expected)):
-            raise ValueError(f"weights[{name!r}] must have shape {fmt(expected)}, got {fmt(shape)}")
+            heads = f" (num_kv_heads={num_kv_heads} heads of {num_hiddens // num_heads})" if name[2] in "kv" else ""
+            raise ValueError(f"weights[{name!r}] must have shape {fmt(expected)}{heads}, got {fmt(shape)}")
         check_float(ops, f"weights[{name!r}]", tensor)
         if not tensor.dtype == queries.dtype:
             raise InputDtypeError(
                 f"weights[{name!r}] must have the dtype of queries ({dtype_name(queries)}), "
                 f"got {dtype_name(tensor)}"
             )
+    return num_kv_heads
 
 
 def check_flag(arg: str, value: Any) -> None:

@@ -88,6 +88,9 @@ class ArrayApiOps(Ops):
         batch, heads, n, width = x.shape
         return xp.reshape(xp.permute_dims(x, (0, 2, 1, 3)), (batch, n, heads * width))
 
+    def reshape(self, x, shape):
+        return array_namespace(x).reshape(x, tuple(shape))
+
     def where(self, mask, x, fill):
         xp = array_namespace(x)
         return xp.where(mask, x, xp.asarray(fill, dtype=x.dtype, device=device(x)))

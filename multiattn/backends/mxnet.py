@@ -118,6 +118,9 @@ class MxnetOps(Ops):
         batch, heads, n, width = x.shape
         return np.transpose(x, (0, 2, 1, 3)).reshape(batch, n, heads * width)
 
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
     def where(self, mask, x, fill):
         return np.where(mask, x, np.array(fill, dtype=x.dtype))
 

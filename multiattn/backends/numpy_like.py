@@ -60,6 +60,9 @@ class NumpyLikeOps(Ops):
         batch, heads, n, width = x.shape
         return x.transpose(0, 2, 1, 3).reshape(batch, n, heads * width)
 
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
     def where(self, mask, x, fill):
         return self.xp.where(mask, x, self.xp.asarray(fill, dtype=x.dtype))
 

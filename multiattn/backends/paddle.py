@@ -126,6 +126,9 @@ class PaddleOps(Ops):
         batch, heads, n, width = x.shape
         return paddle.transpose(x, [0, 2, 1, 3]).reshape([batch, n, heads * width])
 
+    def reshape(self, x, shape):
+        return x.reshape(list(shape))
+
     def where(self, mask, x, fill):
         return paddle.where(mask, x, paddle.full([], fill, dtype=x.dtype))
 

@@ -119,6 +119,9 @@ class TensorFlowOps(Ops):
         batch, heads, n, width = _dims(x)
         return tf.reshape(tf.transpose(x, [0, 2, 1, 3]), [batch, n, heads * width])
 
+    def reshape(self, x, shape):
+        return tf.reshape(x, list(shape))
+
     def where(self, mask, x, fill):
         return tf.where(mask, x, tf.constant(fill, dtype=x.dtype))
 

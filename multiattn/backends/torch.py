@@ -156,6 +156,9 @@ class TorchOps(Ops):
         batch, heads, n, width = x.shape
         return x.transpose(1, 2).reshape(batch, n, heads * width)
 
+    def reshape(self, x, shape):
+        return x.reshape(tuple(shape))
+
     def where(self, mask, x, fill):
         return torch.where(mask, x, _constant(fill, x))
 
