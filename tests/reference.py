@@ -146,9 +146,13 @@ def project(X, W, b=None) -> np.ndarray:
 
 
 def multi_head_attention(
-    queries, keys, values, valid_lens, weights, num_heads, attention_mask=None, causal=False
-):
-    """(output (B, Q, h), weights (B, H, Q, K)) of d2l 11.5: head i uses columns i*d .. (i+1)*d-1."""
+    queries, keys, values, valid_lens, weights, num_heads, attention_mask=None, causal=False,
+    num_kv_heads=None, mask_fn=None,
+):  # fmt: skip
+    """(output (B, Q, h), weights (B, H, Q, K)) of d2l 11.5: head i uses columns i*d .. (i+1)*d-1
+    of the projected queries and, of the projected keys and values, those of key/value head
+    i // (num_heads / num_kv_heads) (grouped-query attention; default: head i's own).
+    mask_fn(b, h, i, j): a mask function's formula, ANDed with the masks."""
     q_p = project(queries, weights["W_q"], weights.get("b_q"))
     k_p = project(keys, weights["W_k"], weights.get("b_k"))
     v_p = project(values, weights["W_v"], weights.get("b_v"))
@@ -156,21 +160,28 @@ def multi_head_attention(
     K = k_p.shape[1]
     d = h // num_heads
     assert d * num_heads == h, "num_hiddens must be divisible by num_heads"
+    group = num_heads // (num_kv_heads or num_heads)
     scores = np.zeros((B, num_heads, Q, K))
     for b in range(B):
         for head in range(num_heads):
-            columns = range(head * d, (head + 1) * d)
+            kv = head // group
             for i in range(Q):
                 for j in range(K):
-                    scores[b, head, i, j] = sum(q_p[b, i, c] * k_p[b, j, c] for c in columns) / math.sqrt(d)
+                    scores[b, head, i, j] = sum(
+                        q_p[b, i, head * d + c] * k_p[b, j, kv * d + c] for c in range(d)
+                    ) / math.sqrt(d)
+    if mask_fn is not None:
+        shown = function_mask(scores.shape, mask_fn)
+        attention_mask = shown if attention_mask is None else shown & np.asarray(attention_mask, dtype=bool)
     attn = masked_softmax(scores, valid_lens, attention_mask, causal)
     concat = np.zeros((B, Q, h))
     for b in range(B):
         for head in range(num_heads):
+            kv = head // group
             for i in range(Q):
                 for j in range(K):
-                    for c in range(head * d, (head + 1) * d):
-                        concat[b, i, c] += attn[b, head, i, j] * v_p[b, j, c]
+                    for c in range(d):
+                        concat[b, i, head * d + c] += attn[b, head, i, j] * v_p[b, j, kv * d + c]
     return project(concat, weights["W_o"], weights.get("b_o")), attn
 
 
