@@ -82,6 +82,15 @@ def masked_softmax(
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
+def _capped(scores: Array, softcap: Optional[float]) -> tuple:
+    """(c tanh(s / c), its derivative 1 - tanh(s / c)^2): Gemma's soft-capping, before any
+    mask; (scores, 1) without a cap."""
+    if softcap is None:
+        return scores, 1.0
+    t = np.tanh(scores / softcap)
+    return softcap * t, 1.0 - t**2
+
+
 def _softmax_backward(weights: Array, d_weights: Array) -> Array:
     return weights * (d_weights - (d_weights * weights).sum(axis=-1, keepdims=True))
 
@@ -92,11 +101,13 @@ def masked_softmax_case(
     cotangent: Optional[Array] = None,
     attention_mask: Optional[Array] = None,
     causal: bool = False,
+    softcap: Optional[float] = None,
 ) -> dict:
+    X, slope = _capped(np.asarray(X, dtype=np.float64), softcap)
     weights = masked_softmax(X, valid_lens, attention_mask, causal)
     result: dict = {"out": weights, "weights": weights}
     if cotangent is not None:
-        result["grads"] = {"X": _softmax_backward(weights, np.asarray(cotangent, np.float64))}
+        result["grads"] = {"X": _softmax_backward(weights, np.asarray(cotangent, np.float64)) * slope}
     return result
 
 
@@ -108,15 +119,16 @@ def dot_product_attention(
     cotangent: Optional[Array] = None,
     attention_mask: Optional[Array] = None,
     causal: bool = False,
+    softcap: Optional[float] = None,
 ) -> dict:
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = np.einsum("bqd,bkd->bqk", q, k) * scale
+    scores, slope = _capped(np.einsum("bqd,bkd->bqk", q, k) * scale, softcap)
     weights = masked_softmax(scores, valid_lens, attention_mask, causal)
     result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
-        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2))
+        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2)) * slope
         result["grads"] = {
             "queries": d_scores @ k * scale,
             "keys": np.swapaxes(d_scores, 1, 2) @ q * scale,
@@ -136,15 +148,17 @@ def additive_attention(
     cotangent: Optional[Array] = None,
     attention_mask: Optional[Array] = None,
     causal: bool = False,
+    softcap: Optional[float] = None,
 ) -> dict:
     q, k, v, W_q, W_k, w_v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values, W_q, W_k, w_v))
     hidden_q, hidden_k = q @ W_q.T, k @ W_k.T  # (B, Q, h), (B, K, h)
     features = np.tanh(hidden_q[:, :, None, :] + hidden_k[:, None, :, :])  # (B, Q, K, h)
-    weights = masked_softmax(features @ w_v, valid_lens, attention_mask, causal)
+    scores, slope = _capped(features @ w_v, softcap)
+    weights = masked_softmax(scores, valid_lens, attention_mask, causal)
     result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
-        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2))  # (B, Q, K)
+        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2)) * slope  # (B, Q, K)
         d_pre = d_scores[..., None] * w_v * (1.0 - features**2)  # through w_v and tanh
         d_hidden_q, d_hidden_k = d_pre.sum(axis=2), d_pre.sum(axis=1)
         result["grads"] = {
@@ -170,6 +184,12 @@ def _merge_heads(X: Array) -> Array:
     return X.transpose(0, 2, 1, 3).reshape(B, n, H * d)
 
 
+def _group_sums(x: Array, group: int) -> Array:
+    """(B, H, n, d) -> (B, H / group, n, d): the sum over each run of `group` heads."""
+    B, H, n, d = x.shape
+    return x.reshape(B, H // group, group, n, d).sum(axis=2)
+
+
 def multi_head_attention(
     queries: Array,
     keys: Array,
@@ -180,10 +200,14 @@ def multi_head_attention(
     cotangent: Optional[Array] = None,
     attention_mask: Optional[Array] = None,
     causal: bool = False,
+    num_kv_heads: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> dict:
     """d2l 11.5: project to h, split into heads, scaled dot-product per head, concat, W_o.
 
     weights: W_q (h, q), W_k (h, k), W_v (h, v), W_o (h, h), optionally all of b_q, b_k, b_v, b_o (h,).
+    num_kv_heads: grouped-query attention, W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads
+    rows, query head i using key/value head i // (num_heads / num_kv_heads).
     """
     missing = [name for name in _MHA_WEIGHTS if name not in weights]
     biases = [name for name in _MHA_BIASES if name in weights]
@@ -197,22 +221,28 @@ def multi_head_attention(
     if h % num_heads:
         raise ValueError(f"num_hiddens {h} is not divisible by num_heads {num_heads}")
     scale = 1.0 / math.sqrt(h // num_heads)
-    zero = np.zeros(h)
+    kv_heads = num_kv_heads or num_heads
+    group = num_heads // kv_heads
+    zero, kv_zero = np.zeros(h), np.zeros(p["W_k"].shape[0])
     q_p = q @ p["W_q"].T + p.get("b_q", zero)
-    k_p = k @ p["W_k"].T + p.get("b_k", zero)
-    v_p = v @ p["W_v"].T + p.get("b_v", zero)
-    q_h, k_h, v_h = (_split_heads(a, num_heads) for a in (q_p, k_p, v_p))  # (B, H, n, d)
-    scores = q_h @ np.swapaxes(k_h, -1, -2) * scale  # (B, H, Q, K)
+    k_p = k @ p["W_k"].T + p.get("b_k", kv_zero)
+    v_p = v @ p["W_v"].T + p.get("b_v", kv_zero)
+    q_h = _split_heads(q_p, num_heads)  # (B, H, n, d)
+    # each key/value head repeated for the query heads of its group (here, where speed is no concern)
+    k_h, v_h = (np.repeat(_split_heads(a, kv_heads), group, axis=1) for a in (k_p, v_p))
+    scores, slope = _capped(q_h @ np.swapaxes(k_h, -1, -2) * scale, softcap)  # (B, H, Q, K)
     attn = masked_softmax(scores, valid_lens, attention_mask, causal)
     concat = _merge_heads(attn @ v_h)  # (B, Q, h)
     result: dict = {"out": concat @ p["W_o"].T + p.get("b_o", zero), "weights": attn}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
         d_heads = _split_heads(g @ p["W_o"], num_heads)  # d concat, per head
-        d_scores = _softmax_backward(attn, d_heads @ np.swapaxes(v_h, -1, -2))
+        d_scores = _softmax_backward(attn, d_heads @ np.swapaxes(v_h, -1, -2)) * slope
         d_q_p = _merge_heads(d_scores @ k_h * scale)
-        d_k_p = _merge_heads(np.swapaxes(d_scores, -1, -2) @ q_h * scale)
-        d_v_p = _merge_heads(np.swapaxes(attn, -1, -2) @ d_heads)
+        d_k_p, d_v_p = (
+            _merge_heads(_group_sums(d, group))  # a shared head's gradient: its group's sum
+            for d in (np.swapaxes(d_scores, -1, -2) @ q_h * scale, np.swapaxes(attn, -1, -2) @ d_heads)
+        )
         grads = {
             "queries": d_q_p @ p["W_q"],
             "keys": d_k_p @ p["W_k"],

@@ -14,12 +14,16 @@ import numpy as np
 
 from .. import reference
 
-FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head")
+FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head", "grouped")
 MASKS = ("none", "1d", "2d", "mask", "causal", "all")
+# score and mask functions (``multiattn.mods``), ANDed with the masks of MOD_ARGS
+MOD_MASKS = ("window", "document", "softcap")
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 GRAD_DTYPES = ("float32", "float64")  # gradients are checked where they are meaningful
 BATCH, QUERIES, KEYS, WIDTH, KEY_WIDTH, VALUE_WIDTH, HIDDENS = 2, 3, 5, 4, 3, 3, 6
 MULTI_HEAD_HIDDENS, NUM_HEADS = 4, 2  # multi-head attention: 2 heads of 2 columns, with biases
+# grouped-query attention: 4 query heads of 2 columns sharing 2 key/value heads, with biases
+GROUPED_HIDDENS, GROUPED_HEADS, GROUPED_KV_HEADS = 8, 4, 2
 # Lengths with a fully masked row, a negative and an over-long length.
 LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
 # A boolean mask (True: may attend) with a fully masked row, alone and with lengths and causality.
@@ -38,6 +42,24 @@ MASK_ARGS = {
     "causal": (None, None, True),
     "all": (LENGTHS["2d"], MASK, True),
 }
+MOD_ARGS = {
+    "window": (LENGTHS["2d"], None, False),  # sliding_window(WINDOW) and lengths
+    "document": (None, None, False),  # document(QUERY_IDS, KEY_IDS)
+    "softcap": (None, MASK, True),  # softcap(SOFTCAP) before the mask and causality
+}
+WINDOW, SOFTCAP = 2, 1.5
+KEY_IDS = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # packed documents
+QUERY_IDS = KEY_IDS[:, :QUERIES]
+
+
+def mod_mask(mask: str) -> Optional[np.ndarray]:
+    """The mask function of a mod case by its formula, (B, Q, K) booleans (None: no mask function)."""
+    i, j = np.arange(QUERIES)[:, None], np.arange(KEYS)[None, :]
+    if mask == "window":
+        return np.broadcast_to((0 <= i - j) & (i - j < WINDOW), (BATCH, QUERIES, KEYS))
+    if mask == "document":
+        return QUERY_IDS[:, :, None] == KEY_IDS[:, None, :]
+    return None
 
 # Max abs error allowed, relative to max(1, largest reference magnitude).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}
@@ -73,6 +95,10 @@ class Case:
     expected: Dict = field(default_factory=dict)  # the reference: out, weights, grads
 
     @property
+    def softcap(self) -> Optional[float]:
+        return SOFTCAP if self.mask == "softcap" else None
+
+    @property
     def name(self) -> str:
         return f"{self.function}/{self.mask}/{self.dtype}"
 
@@ -81,8 +107,9 @@ class Case:
         return self.dtype in GRAD_DTYPES
 
 
-def make_cases(seed: int = 0) -> list:
-    """Every function x mask x dtype, with the reference computed in float64."""
+def make_cases(seed: int = 0, mods: bool = True) -> list:
+    """Every function x mask x dtype, with the reference computed in float64; mods: with the
+    score and mask functions' cases (MOD_MASKS)."""
     rng = np.random.default_rng(seed)
     raw = {
         "X": rng.normal(size=(BATCH, QUERIES, KEYS)) * 2,
@@ -99,11 +126,17 @@ def make_cases(seed: int = 0) -> list:
         raw["multi_head_" + name] = rng.normal(size=(h, width)) * 0.5
     for name in ("b_q", "b_k", "b_v", "b_o"):
         raw["multi_head_" + name] = rng.normal(size=(h,)) * 0.5
+    h, kv = GROUPED_HIDDENS, GROUPED_HIDDENS // GROUPED_HEADS * GROUPED_KV_HEADS
+    rows = {"q": h, "k": kv, "v": kv, "o": h}
+    for n, width in zip("qkvo", (WIDTH, KEY_WIDTH, VALUE_WIDTH, h)):
+        raw["grouped_W_" + n] = rng.normal(size=(rows[n], width)) * 0.5
+        raw["grouped_b_" + n] = rng.normal(size=(rows[n],)) * 0.5
     cotangents = {
         "masked_softmax": rng.normal(size=(BATCH, QUERIES, KEYS)),
         "dot_product": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
         "additive": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
         "multi_head": rng.normal(size=(BATCH, QUERIES, MULTI_HEAD_HIDDENS)),
+        "grouped": rng.normal(size=(BATCH, QUERIES, GROUPED_HIDDENS)),
     }
     names = {
         "masked_softmax": {"X": "X"},
@@ -122,32 +155,58 @@ def make_cases(seed: int = 0) -> list:
             "values": "values",
             **{n: "multi_head_" + n for n in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")},
         },
+        "grouped": {
+            "queries": "queries",
+            "keys": "additive_keys",
+            "values": "values",
+            **{n: "grouped_" + n for n in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")},
+        },
     }
     cases = []
     for function in FUNCTIONS:
         for dtype in DTYPES:
-            for mask in MASKS:
+            for mask in MASKS + (MOD_MASKS if mods else ()):
                 inputs = {arg: round_to(raw[src], dtype) for arg, src in names[function].items()}
-                lens, attention_mask, causal = MASK_ARGS[mask]
+                lens, attention_mask, causal = {**MASK_ARGS, **MOD_ARGS}[mask]
                 case = Case(function, mask, dtype, inputs, lens, cotangents[function], attention_mask, causal)
                 case.expected = expected(case)
                 cases.append(case)
     return cases
 
 
+def mod_keywords(case: Case) -> dict:
+    """The score_mod / mask_mod keywords of a mod case ({} for the others)."""
+    from .. import mods  # the package's, for the backends' calls (the reference uses mod_mask)
+
+    if case.mask == "window":
+        return {"mask_mod": mods.sliding_window(WINDOW)}
+    if case.mask == "document":
+        return {"mask_mod": mods.document(QUERY_IDS, KEY_IDS)}
+    if case.mask == "softcap":
+        return {"score_mod": mods.softcap(SOFTCAP)}
+    return {}
+
+
 def expected(case: Case) -> dict:
-    args, masks = case.inputs, dict(attention_mask=case.attention_mask, causal=case.causal)
+    args, attention_mask = case.inputs, case.attention_mask
+    shown = mod_mask(case.mask)
+    if shown is not None:  # the mask function ANDs with the others
+        attention_mask = shown if attention_mask is None else shown & attention_mask
+    masks = dict(attention_mask=attention_mask, causal=case.causal, softcap=case.softcap)
     if case.function == "masked_softmax":
         return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent, **masks)
     if case.function == "dot_product":
         return reference.dot_product_attention(
             args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent, **masks
         )
-    if case.function == "multi_head":
+    if case.function in ("multi_head", "grouped"):
         weights = {name: value for name, value in args.items() if name not in ("queries", "keys", "values")}
+        heads = dict(num_heads=NUM_HEADS) if case.function == "multi_head" else dict(
+            num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS
+        )
         return reference.multi_head_attention(
-            args["queries"], args["keys"], args["values"], case.valid_lens, weights, NUM_HEADS,
-            case.cotangent, **masks,
+            args["queries"], args["keys"], args["values"], case.valid_lens, weights,
+            cotangent=case.cotangent, **heads, **masks,
         )  # fmt: skip
     return reference.additive_attention(
         args["queries"], args["keys"], args["values"], case.valid_lens,

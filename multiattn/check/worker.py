@@ -13,7 +13,7 @@ import traceback
 from typing import Any, Callable, Dict
 
 from .._registry import get_backend
-from .cases import NUM_HEADS, Case, make_cases
+from .cases import GROUPED_HEADS, GROUPED_KV_HEADS, NUM_HEADS, Case, make_cases, mod_keywords
 from .results import framework_version, save_native, save_results
 
 BLOCK_SIZE = 2  # the cases' 3 queries and 5 keys: partial blocks, a last block shorter
@@ -23,7 +23,7 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     tensors = {arg: module.from_numpy(value, case.dtype) for arg, value in case.inputs.items()}
     lens = None if case.valid_lens is None else module.from_numpy(case.valid_lens)
     mask = None if case.attention_mask is None else module.from_numpy(case.attention_mask)
-    masks = dict(attention_mask=mask, causal=case.causal)
+    masks = dict(attention_mask=mask, causal=case.causal, **mod_keywords(case))
 
     run: Callable[..., Any]
     fast: Callable[..., Any] = None  # the no-weights path (fused kernels), which must agree too
@@ -46,12 +46,15 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
         def blocks(q, k, v):
             return module.dot_product_attention(q, k, v, lens, block_size=BLOCK_SIZE, **masks)
 
-    elif case.function == "multi_head":
+    elif case.function in ("multi_head", "grouped"):
+        heads = dict(num_heads=NUM_HEADS) if case.function == "multi_head" else dict(
+            num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS
+        )
 
         def run(q, k, v, *weights, return_weights=True, block_size=None):
             return module.multi_head_attention(
-                q, k, v, lens, weights=dict(zip(order[3:], weights)), num_heads=NUM_HEADS,
-                return_weights=return_weights, block_size=block_size, **masks,
+                q, k, v, lens, weights=dict(zip(order[3:], weights)), return_weights=return_weights,
+                block_size=block_size, **heads, **masks,
             )  # fmt: skip
 
         def fast(*args):
