@@ -45,10 +45,13 @@ def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = 
     return min(max(side, MIN_BLOCK), MAX_BLOCK)
 
 
-def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor, per_score: int = 1) -> Optional[int]:
+def automatic_block_size(
+    ops: Ops, queries: Tensor, keys: Tensor, per_score: int = 1, mask_mod: Any = None
+) -> Optional[int]:
     """The block size where the scores of this call would exceed ``SCORES_BUDGET_BYTES``, else
     None (the materialised path).  per_score: the values made per score (additive attention:
-    its hidden features).  Unknown (traced) sizes count as fitting."""
+    its hidden features); mask_mod: a mask function, whose structure may ask for smaller blocks
+    (``MaskFunction.block_side``, not below MIN_BLOCK).  Unknown (traced) sizes count as fitting."""
     shape = tuple(ops.shape(queries)[:-1]) + (ops.shape(keys)[-2],)
     if any(size is None for size in shape):
         return None
@@ -56,7 +59,9 @@ def automatic_block_size(ops: Ops, queries: Tensor, keys: Tensor, per_score: int
     if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
         return None
     side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
-    return side if per_score > 1 else side * ops.compiled_block_scale
+    side = side if per_score > 1 else side * ops.compiled_block_scale
+    favoured = None if mask_mod is None else mask_mod.block_side(ops)
+    return side if favoured is None else min(side, max(favoured, MIN_BLOCK))
 
 
 # -- which blocks run, and which need masking ---------------------------------------------------
@@ -78,6 +83,7 @@ class Plan:
         lead = (1,) if like is None else tuple(ops.shape(like)[:-2])  # (B,) or (B, H)
         self.batch, self.heads = lead[0], (lead[1] if len(lead) == 2 else None)
         self.mod_values: dict = {}  # a mask function's blocks, evaluated to be classified
+        self.shared_mod_values: dict = {}  # its blocks by ``MaskFunction.values_key``
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
         self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
@@ -150,14 +156,23 @@ class Plan:
         if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
             found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
         if "mod" in parts:
-            block = (q0, q1, k0, k1)
-            values = self.mod_values.pop(block, None)
-            found.append(
-                masks.mask_mod.values(ops, q_block, self.heads, block, self.batch)
-                if values is None
-                else values
-            )
+            found.append(self._mod_values((q0, q1, k0, k1), q_block))
         return all_of(ops, found, len(ops.shape(q_block)))
+
+    def _mod_values(self, block: tuple, q_block: Tensor) -> Tensor:
+        """The mask function's booleans for a block: kept from its classification, shared with
+        a block alike (``values_key``), or evaluated."""
+        mod = self.masks.mask_mod
+        values = self.mod_values.pop(block, None)
+        if values is not None:
+            return values
+        key = mod.values_key(block)
+        values = None if key is None else self.shared_mod_values.get(key)
+        if values is None:
+            values = mod.values(self.ops, q_block, self.heads, block, self.batch)
+            if key is not None:
+                self.shared_mod_values[key] = values
+        return values
 
     def visible_values(
         self, parts: Tuple[str, ...], v_block: Tensor, seen: Tensor, q1: int, k1: int

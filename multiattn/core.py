@@ -72,7 +72,7 @@ def dot_product_attention(
         scale = 1.0 / math.sqrt(q_shape[-1])
     if not need_weights and dropout is None:
         forced = block_size is not None
-        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys)
+        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, mask_mod=masks.mask_mod)
         if block_size is not None:
             plain = masks.mask_mod is None and score_mod is None and not grouped(ops, queries, keys)
             if plain and not (forced or need_lse):  # a framework's kernel that never holds the scores whole
@@ -165,7 +165,9 @@ def additive_attention(
 
     if not need_weights and dropout is None:
         per_score = ops.shape(q_hidden)[-1] or 1  # the features of a block are its scores x hiddens
-        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, per_score)
+        block_size = block_size or blockwise.automatic_block_size(
+            ops, queries, keys, per_score, mask_mod=masks.mask_mod
+        )
         if block_size is not None:  # the framework differentiates the blocks itself
             out, _ = blockwise.attention_in_blocks(
                 ops, q_hidden, k_hidden, values, masks, block_size=block_size, score=scores_of

@@ -171,7 +171,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         }
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
-            need_weights=return_weights, block_size=block_size, score_mod=score_mod, num_kv_heads=num_kv_heads,
+            need_weights=return_weights, block_size=block_size, score_mod=score_mod,
+            num_kv_heads=num_kv_heads,
         )  # fmt: skip
         return (out, attention) if return_weights else out
 

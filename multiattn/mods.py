@@ -88,6 +88,16 @@ class MaskFunction:
         row and head, known on the host without evaluating the block; None: not known."""
         return None
 
+    def values_key(self, block: Block) -> Any:
+        """What this mask's booleans for a block depend on, where blocks share them (a key
+        for the plan's cache), else None: each block evaluated."""
+        return None
+
+    def block_side(self, ops: Ops) -> Optional[int]:
+        """The largest block side at which this mask's blocks are mostly skipped or shown
+        whole (a power of two), for the automatic block size to stay at or below; None: any."""
+        return None
+
 
 class _UserMask(MaskFunction):
     def __init__(self, fn: Callable[..., Tensor]) -> None:
@@ -150,6 +160,10 @@ def apply_score_mod(ops: Ops, score_mod: Callable, scores: Tensor, block: Block,
 # -- ready-made masks ------------------------------------------------------------------------
 
 
+def _power_of_two_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
 def _ints(value: Any, arg: str) -> np.ndarray:
     values = np.asarray(value)
     if values.dtype.kind not in "iu" or values.ndim > 1:
@@ -173,6 +187,14 @@ class sliding_window(MaskFunction):
         q0, q1, k0, k1 = block
         lo, hi = q0 - (k1 - 1), (q1 - 1) - k0  # the distances i - j of the block
         return (hi >= 0 and lo < self.w), (lo >= 0 and hi < self.w)
+
+    def values_key(self, block):
+        q0, q1, k0, k1 = block
+        return q0 - k0, q1 - q0, k1 - k0  # the band depends on i - j alone
+
+    def block_side(self, ops):
+        # half the width: the band's blocks off the diagonal and its edge are then whole
+        return _power_of_two_at_most(max(self.w // 2, 1))
 
     def __repr__(self) -> str:
         return f"sliding_window({self.w})"
@@ -235,6 +257,17 @@ class document(MaskFunction):
         every = all(q.min() == q.max() == k.min() == k.max() for q, k in zip(q_ids, kv_ids))
         return some, every
 
+    def block_side(self, ops):
+        # the largest power of two dividing every document's start: blocks then hold one document
+        starts = []
+        for ids in (self.q_ids, self.kv_ids):
+            values = ops.host_values(ids) if framework_of(ids) == ops.name else np.asarray(ids)
+            if values is None:
+                return None
+            values = np.asarray(values)
+            starts.extend(int(i) + 1 for i in np.nonzero(values[:, 1:] != values[:, :-1])[1])
+        return min((start & -start for start in starts), default=None)
+
     def __repr__(self) -> str:
         return "document(ids)"
 
@@ -267,6 +300,10 @@ class and_masks(MaskFunction):
         if all(k is not None and k[1] for k in known):
             return True, True
         return None
+
+    def block_side(self, ops):
+        sides = [side for side in (fn.block_side(ops) for fn in self.fns) if side is not None]
+        return min(sides) if sides else None
 
     def __repr__(self) -> str:
         return f"and_masks({', '.join(map(repr, self.fns))})"

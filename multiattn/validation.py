@@ -280,7 +280,12 @@ def check_weight_names(weights: Any, bias: Any = None) -> bool:
 
 
 def check_multi_head_weights(
-    ops: Ops, weights: Any, num_heads: Any, queries: Tensor, keys: Tensor, values: Tensor,
+    ops: Ops,
+    weights: Any,
+    num_heads: Any,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
     num_kv_heads: Any = None,
 ) -> int:
     """Canonical multi-head weights for these inputs, in the queries' dtype; ValueError naming
@@ -300,7 +305,11 @@ def check_multi_head_weights(
         tensor = weights[name]
         shape = ops.shape(tensor)
         if len(shape) != len(expected) or not all(same(a, b) for a, b in zip(shape, expected)):
-            heads = f" (num_kv_heads={num_kv_heads} heads of {num_hiddens // num_heads})" if name[2] in "kv" else ""
+            heads = (
+                f" (num_kv_heads={num_kv_heads} heads of {num_hiddens // num_heads})"
+                if name[2] in "kv" and num_kv_heads != num_heads
+                else ""
+            )
             raise ValueError(f"weights[{name!r}] must have shape {fmt(expected)}{heads}, got {fmt(shape)}")
         check_float(ops, f"weights[{name!r}]", tensor)
         if not tensor.dtype == queries.dtype:

@@ -498,8 +498,6 @@ def test_flax_refusals():
 
     with pytest.raises(ValueError, match=r"needs key_size == value_size .*key_size=6, value_size=7"):
         MultiHeadAttention(8, 2, key_size=6, value_size=7).to_native()
-    with pytest.raises(ValueError, match="num_kv_heads=1 != num_heads=2"):
-        MultiHeadAttention.from_native(native(num_heads=2, in_features=8, num_kv_heads=1))
     with pytest.raises(ValueError, match="out_features=6 != qkv_features=8"):
         MultiHeadAttention.from_native(native(num_heads=2, in_features=8, out_features=6))
     with pytest.raises(ValueError, match="normalize_qk=True cannot be expressed"):

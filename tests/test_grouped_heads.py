@@ -85,7 +85,9 @@ def _finite_differences(num_kv_heads, case):
     def loss(**changed):
         given = {**arrays, **changed}
         all_weights = {**weights, "W_k": given["W_k"]}
-        out = _reference((given["queries"], given["keys"], given["values"]), all_weights, num_kv_heads, case)[0]
+        out = _reference((given["queries"], given["keys"], given["values"]), all_weights, num_kv_heads, case)[
+            0
+        ]
         return float(np.sum(out * cotangent))
 
     step, grads = 1e-6, {}
@@ -130,7 +132,9 @@ def test_grouped_heads_errors(bk):
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match="num_kv_heads must be a positive integer or None"):
             multiattn.multi_head_attention(*args, weights=t_weights, num_heads=HEADS, num_kv_heads=bad)
-    with pytest.raises(ValueError, match=r"weights\['W_k'\] must have shape \(8, 3\) \(num_kv_heads=4 heads of 2\)"):
+    with pytest.raises(
+        ValueError, match=r"weights\['W_k'\] must have shape \(8, 3\) \(num_kv_heads=4 heads of 2\)"
+    ):
         multiattn.multi_head_attention(*args, weights=t_weights, num_heads=HEADS, num_kv_heads=4)
     with pytest.raises(ValueError, match=r"weights\['W_k'\] must have shape \(16, 3\)"):
         multiattn.multi_head_attention(*args, weights=t_weights, num_heads=HEADS)

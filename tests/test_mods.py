@@ -300,3 +300,23 @@ def test_the_layers_take_score_and_mask_functions(bk, kind):
     np.testing.assert_allclose(bk.numpy(got), bk.numpy(want), rtol=1e-5, atol=1e-6)
     unmodified = bk.numpy(bk.call(layer, q, k, v, lens))
     assert not np.allclose(unmodified, bk.numpy(got)), "the functions changed nothing"
+
+
+def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
+    """A sliding window asks for blocks of half its width (those inside the band are then shown
+    whole), documents for the largest power of two dividing every document's start; never
+    below MIN_BLOCK, never above the machine's side."""
+    ops = multiattn.get_backend("numpy").ops
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 0)
+    q = np.zeros((1, 8192, 64), dtype=np.float32)
+    side = blockwise.automatic_block_size(ops, q, q)
+    assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(512)) == min(side, 256)
+    assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(8)) == blockwise.MIN_BLOCK
+    assert mods.sliding_window(512).block_side(ops) == 256
+    ids = np.repeat(np.arange(8), 1024)[None]
+    assert mods.document(ids).block_side(ops) == 1024
+    assert mods.document(np.array([[0, 0, 0, 1, 1, 1, 1, 1]])).block_side(ops) == 1  # a start at 3
+    assert mods.document(np.zeros((1, 8), dtype=int)).block_side(ops) is None  # one document
+    both = mods.and_masks(mods.sliding_window(512), mods.document(ids))
+    assert both.block_side(ops) == 256
+    assert mods.prefix_lm(4).block_side(ops) is None

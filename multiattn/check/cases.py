@@ -61,6 +61,7 @@ def mod_mask(mask: str) -> Optional[np.ndarray]:
         return QUERY_IDS[:, :, None] == KEY_IDS[:, None, :]
     return None
 
+
 # Max abs error allowed, relative to max(1, largest reference magnitude).
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5, "float16": 5e-3, "bfloat16": 4e-2}
 # MLX's exp/softmax are float32-accurate even for float64 (documented).
@@ -201,8 +202,10 @@ def expected(case: Case) -> dict:
         )
     if case.function in ("multi_head", "grouped"):
         weights = {name: value for name, value in args.items() if name not in ("queries", "keys", "values")}
-        heads = dict(num_heads=NUM_HEADS) if case.function == "multi_head" else dict(
-            num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS
+        heads = (
+            dict(num_heads=NUM_HEADS)
+            if case.function == "multi_head"
+            else dict(num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS)
         )
         return reference.multi_head_attention(
             args["queries"], args["keys"], args["values"], case.valid_lens, weights,

@@ -47,8 +47,10 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
             return module.dot_product_attention(q, k, v, lens, block_size=BLOCK_SIZE, **masks)
 
     elif case.function in ("multi_head", "grouped"):
-        heads = dict(num_heads=NUM_HEADS) if case.function == "multi_head" else dict(
-            num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS
+        heads = (
+            dict(num_heads=NUM_HEADS)
+            if case.function == "multi_head"
+            else dict(num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS)
         )
 
         def run(q, k, v, *weights, return_weights=True, block_size=None):

@@ -4,10 +4,12 @@
 
 The canonical (math) layout of the weights is the one of d2l's formulas, y = W x:
 additive a(q, k) = w_v^T tanh(W_q q + W_k k) has W_q (num_hiddens, query_size),
-W_k (num_hiddens, key_size), w_v (num_hiddens,); multi-head attention has W_q, W_k, W_v
-(num_hiddens, query/key/value_size), W_o (num_hiddens, num_hiddens) and, with bias,
-b_q, b_k, b_v, b_o (num_hiddens,).  Adapters only say how to read and write one of their
-own parameters (``_parameter``, ``_assign``).
+W_k (num_hiddens, key_size), w_v (num_hiddens,); multi-head attention has W_q
+(num_hiddens, query_size), W_k, W_v (kv_hiddens, key/value_size), W_o (num_hiddens,
+num_hiddens) and, with bias, b_q, b_o (num_hiddens,), b_k, b_v (kv_hiddens,), where
+kv_hiddens = num_kv_heads * num_hiddens / num_heads (num_hiddens unless grouped-query
+attention gives fewer key/value heads).  Adapters only say how to read and write one of
+their own parameters (``_parameter``, ``_assign``).
 """
 
 from __future__ import annotations
@@ -131,19 +133,37 @@ class AdditiveWeights(CanonicalWeightsMixin):
 
 
 class MultiHeadWeights(CanonicalWeightsMixin):
-    """W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and, with
-    bias, b_q, b_k, b_v, b_o (h,); h = num_hiddens."""
+    """W_q (h, query_size), W_k (kv, key_size), W_v (kv, value_size), W_o (h, h) and, with
+    bias, b_q, b_o (h,), b_k, b_v (kv,); h = num_hiddens, kv = ``_kv_hiddens()``."""
 
     num_hiddens: int
+    num_heads: int
+    num_kv_heads: int
     query_size: int
     key_size: int
     value_size: int
     bias: bool
 
+    def _set_sizes(
+        self, num_hiddens: Any, num_heads: Any, sizes: tuple, bias: Any, num_kv_heads: Any
+    ) -> None:
+        """Check and keep the sizes (``check_multi_head_sizes``), ``num_kv_heads`` (None: one
+        key/value head per query head, kept as num_heads) and ``bias``; ValueError naming the argument."""
+        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
+        self.num_kv_heads = validation.check_num_kv_heads(num_kv_heads, self.num_heads)
+        self.query_size, self.key_size, self.value_size = sizes
+        self.bias = bool(bias)
+
+    def _kv_hiddens(self) -> int:
+        """The rows of W_k and W_v: num_kv_heads heads of num_hiddens / num_heads."""
+        # getattr: a layer pickled before num_kv_heads existed has one key/value head per query head
+        return validation.kv_hiddens(self.num_hiddens, self.num_heads, getattr(self, "num_kv_heads", None))
+
     def _weight_shapes(self):
         return validation.multi_head_weight_shapes(
-            self.num_hiddens, self.query_size, self.key_size, self.value_size, self.bias
-        )
+            self.num_hiddens, self.query_size, self.key_size, self.value_size, self.bias,
+            kv_width=self._kv_hiddens(),
+        )  # fmt: skip
 
 
 class AttentionCall:
@@ -243,4 +263,5 @@ class AttentionCall:
             self._ops, queries, keys, values, masks,
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
             num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights, score_mod=score_mod,
+            num_kv_heads=getattr(self, "num_kv_heads", None),  # None: pickled before it existed
         )  # fmt: skip

@@ -2,7 +2,8 @@
 
 Framework-free (numpy only): for every native layer, its parameters as numpy arrays by
 attribute path (``"out_proj.weight"``, ``"query_dense.kernel"``, ...) to and from the
-canonical dict (W_q, W_k, W_v (h, in), W_o (h, h), b_q, b_k, b_v, b_o (h,): y = W x + b)
+canonical dict (W_q, W_k, W_v (h, in), W_o (h, h), b_q, b_k, b_v, b_o (h,): y = W x + b;
+W_k, W_v, b_k, b_v with num_kv_heads * h / num_heads rows under grouped-query attention)
 and the sizes, with the checks of what the other side cannot express (a ``ValueError``
 naming the size and what the other side needs).  The framework modules only read and write
 the arrays (``MultiHeadAttention.from_native`` / ``to_native``); docs/converters.md has
@@ -36,16 +37,27 @@ class Config(NamedTuple):
     value_size: int
     bias: bool
     dropout: float
+    num_kv_heads: Optional[int] = None  # None: num_heads, one key/value head per query head
 
     def kwargs(self) -> Dict[str, Any]:
         return dict(self._asdict())
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads (num_kv_heads, or num_heads where it is None)."""
+        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
+
+    @property
+    def kv_hiddens(self) -> int:
+        """The rows of W_k and W_v: kv_heads heads of num_hiddens / num_heads."""
+        return validation.kv_hiddens(self.num_hiddens, self.num_heads, self.kv_heads)
 
 
 def config(layer: Any, dropout: float) -> Config:
     """The Config of a multiattn MultiHeadAttention (its dropout rate as its framework keeps it)."""
     return Config(
         layer.num_hiddens, layer.num_heads, layer.query_size, layer.key_size, layer.value_size,
-        bool(layer.bias), float(dropout),
+        bool(layer.bias), float(dropout), getattr(layer, "num_kv_heads", None),
     )  # fmt: skip
 
 
@@ -63,6 +75,16 @@ def _needs(native: str, what: str, **sizes: Any) -> ValueError:
 def _cannot(native: str, what: str, need: str) -> ValueError:
     """ValueError '<native> with <what> cannot be expressed: multiattn's MultiHeadAttention <need>'."""
     return ValueError(f"{native} with {what} cannot be expressed: multiattn's MultiHeadAttention {need}")
+
+
+def _check_not_grouped(native: str, cfg: Config, instead: str = "") -> None:
+    """The native layers with one key/value head per query head refuse grouped-query attention."""
+    if cfg.kv_heads != cfg.num_heads:
+        raise ValueError(
+            f"grouped-query attention (num_kv_heads={cfg.kv_heads} != num_heads={cfg.num_heads}) cannot "
+            f"be expressed by {native}: it has one key and value head per query head, it needs "
+            f"num_kv_heads == num_heads{instead}"
+        )
 
 
 def _shape(where: str, path: str, array: Optional[np.ndarray], shape: Tuple[int, ...]) -> np.ndarray:
@@ -95,7 +117,7 @@ def _canonical(W: Mapping[str, np.ndarray], b: Mapping[str, Optional[np.ndarray]
 
 def _weights(cfg: Config, weights: Mapping[str, Any]) -> Arrays:
     shapes = validation.multi_head_weight_shapes(
-        cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias
+        cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias, cfg.kv_hiddens
     )
     return {name: _shape("the canonical weights", name, weights.get(name), s) for name, s in shapes.items()}
 
@@ -157,6 +179,7 @@ def _check_embed_dim(framework: str, cfg: Config) -> None:
 
 def torch_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
     h = cfg.num_hiddens
+    _check_not_grouped(TORCH, cfg)
     _check_embed_dim(TORCH, cfg)
     w = _weights(cfg, weights)
     kwargs = dict(
@@ -228,6 +251,7 @@ def keras_from(
 
 def keras_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays, Dict[str, tuple]]:
     """(constructor kwargs, arrays, build shapes: query_shape, value_shape, key_shape)."""
+    _check_not_grouped(KERAS, cfg, f" (to_native() gives a {KERAS_GQA} for a grouped layer)")
     h, H = cfg.num_hiddens, cfg.num_heads
     d = h // H
     w = _weights(cfg, weights)
@@ -247,9 +271,92 @@ def keras_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], A
     return kwargs, {k: np.ascontiguousarray(v) for k, v in arrays.items()}, build
 
 
+# ------------------------------------ keras.layers.GroupQueryAttention (EinsumDense, grouped-query)
+KERAS_GQA = "keras.layers.GroupQueryAttention"
+# kernels (in, query or key/value heads, head_dim), output kernel (query heads, head_dim, query width);
+# biases (heads, head_dim), (query width,); query head i uses key/value head i // groups (ops.repeat)
+KERAS_GQA_DENSE = {"q": "_query_dense", "k": "_key_dense", "v": "_value_dense", "o": "_output_dense"}
+KERAS_GQA_PATHS = tuple(f"{d}.{p}" for d in KERAS_GQA_DENSE.values() for p in ("kernel", "bias"))
+
+
+def keras_gqa_from(
+    arrays: Mapping[str, Optional[np.ndarray]], *, head_dim: int, num_query_heads: int,
+    num_key_value_heads: int, dropout: float, use_gate: bool, sliding_window: Any,
+) -> Tuple[Config, Arrays]:  # fmt: skip
+    H, Hkv, d = num_query_heads, num_key_value_heads, head_dim
+    h = H * d
+    if use_gate:
+        raise _cannot(KERAS_GQA, "use_gate=True", "has no gate projection")
+    if sliding_window is not None:
+        raise _cannot(
+            KERAS_GQA, f"sliding_window={sliding_window}", "has no sliding window (pass it as attention_mask)"
+        )
+    kernels = {n: arrays.get(f"{dense}.kernel") for n, dense in KERAS_GQA_DENSE.items()}
+    if any(k is None for k in kernels.values()):
+        raise ValueError(f"{KERAS_GQA} is not built: call it once or build() it with the input shapes first")
+    W = {}
+    for n, heads in zip("qkv", (H, Hkv, Hkv)):
+        kernel = np.asarray(kernels[n])
+        path = f"{KERAS_GQA_DENSE[n]}.kernel"
+        W[n] = _shape(KERAS_GQA, path, kernel, (kernel.shape[0], heads, d)).reshape(-1, heads * d).T
+    out = np.asarray(kernels["o"])
+    if out.ndim != 3 or out.shape[2] != h:
+        raise _cannot(
+            KERAS_GQA, f"query width {out.shape[-1]} (its output width; output kernel {out.shape})",
+            f"has output width num_hiddens = num_query_heads * head_dim = {h}",
+        )  # fmt: skip
+    W["o"] = _shape(KERAS_GQA, "_output_dense.kernel", out, (H, d, h)).reshape(h, h).T
+    bias = _all_or_no_biases(
+        KERAS_GQA, {f"{dense}.bias": arrays.get(f"{dense}.bias") for dense in KERAS_GQA_DENSE.values()}
+    )
+    b = {}
+    if bias:
+        for n, dense in KERAS_GQA_DENSE.items():
+            shape = {"q": (H, d), "k": (Hkv, d), "v": (Hkv, d), "o": (h,)}[n]
+            b[n] = _shape(KERAS_GQA, f"{dense}.bias", arrays[f"{dense}.bias"], shape)
+    cfg = Config(
+        h, H, W["q"].shape[1], W["k"].shape[1], W["v"].shape[1], bias, _rate(KERAS_GQA, dropout), Hkv
+    )
+    return cfg, _canonical(W, b, bias)
+
+
+def keras_gqa_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays, Dict[str, tuple]]:
+    """(constructor kwargs, arrays, build shapes: query_shape, value_shape, key_shape)."""
+    h, H, Hkv = cfg.num_hiddens, cfg.num_heads, cfg.kv_heads
+    d = h // H
+    if cfg.query_size != h:
+        raise _needs(
+            KERAS_GQA, "query_size == num_hiddens (its output width is its query width)",
+            query_size=cfg.query_size, num_hiddens=h,
+        )  # fmt: skip
+    w = _weights(cfg, weights)
+    kwargs = dict(
+        head_dim=d, num_query_heads=H, num_key_value_heads=Hkv, dropout=cfg.dropout, use_bias=cfg.bias
+    )
+    arrays = {
+        f"{KERAS_GQA_DENSE[n]}.kernel": w[f"W_{n}"].T.reshape(-1, heads, d)
+        for n, heads in zip("qkv", (H, Hkv, Hkv))
+    }
+    arrays["_output_dense.kernel"] = w["W_o"].T.reshape(H, d, h)
+    if cfg.bias:
+        arrays.update(
+            {
+                f"{KERAS_GQA_DENSE[n]}.bias": w[f"b_{n}"].reshape(heads, d)
+                for n, heads in zip("qkv", (H, Hkv, Hkv))
+            }
+        )
+        arrays["_output_dense.bias"] = w["b_o"]
+    build = dict(
+        query_shape=(None, None, cfg.query_size), value_shape=(None, None, cfg.value_size),
+        key_shape=(None, None, cfg.key_size),
+    )  # fmt: skip
+    return kwargs, {k: np.ascontiguousarray(v) for k, v in arrays.items()}, build
+
+
 # --------------------------------------------------- flax.nnx.MultiHeadAttention (LinearGeneral)
 FLAX = "flax.nnx.MultiHeadAttention"
-# kernels (in, heads, head_dim), out kernel (heads, head_dim, out); biases (heads, head_dim), (out,)
+# kernels (in, heads, head_dim) (key, value: num_kv_heads heads), out kernel (heads, head_dim, out);
+# biases (heads, head_dim), (out,); query head i uses key/value head i // (num_heads / num_kv_heads)
 FLAX_LINEAR = {"q": "query", "k": "key", "v": "value", "o": "out"}
 FLAX_PATHS = tuple(f"{m}.{p}" for m in FLAX_LINEAR.values() for p in ("kernel", "bias"))
 
@@ -262,11 +369,7 @@ def flax_from(
     H, h = num_heads, qkv_features
     _check_heads(FLAX, h, H)
     d = h // H
-    if num_kv_heads != num_heads:
-        raise _cannot(
-            FLAX, f"num_kv_heads={num_kv_heads} != num_heads={num_heads} (grouped-query attention)",
-            "has as many key and value heads as query heads",
-        )  # fmt: skip
+    Hkv = num_kv_heads
     if normalize_qk:
         raise _cannot(FLAX, "normalize_qk=True", "has no layer norm of the projected queries and keys")
     if not default_attention_fn:
@@ -279,23 +382,24 @@ def flax_from(
     if not isinstance(in_features, int) or not isinstance(in_kv_features, int):
         raise _cannot(FLAX, "tuple in_features", "projects the last axis only")
     W = {
-        n: _shape(FLAX, f"{FLAX_LINEAR[n]}.kernel", arrays.get(f"{FLAX_LINEAR[n]}.kernel"), (size, H, d))
-        .reshape(size, h)
+        n: _shape(FLAX, f"{FLAX_LINEAR[n]}.kernel", arrays.get(f"{FLAX_LINEAR[n]}.kernel"), (size, heads, d))
+        .reshape(size, heads * d)
         .T
-        for n, size in zip("qkv", (in_features, in_kv_features, in_kv_features))
+        for n, size, heads in zip("qkv", (in_features, in_kv_features, in_kv_features), (H, Hkv, Hkv))
     }
     W["o"] = _shape(FLAX, "out.kernel", arrays.get("out.kernel"), (H, d, h)).reshape(h, h).T
     bias = _all_or_no_biases(FLAX, {f"{m}.bias": arrays.get(f"{m}.bias") for m in FLAX_LINEAR.values()})
     b = {}
     if bias:
         for n, m in FLAX_LINEAR.items():
-            b[n] = _shape(FLAX, f"{m}.bias", arrays[f"{m}.bias"], (h,) if n == "o" else (H, d))
-    cfg = Config(h, H, in_features, in_kv_features, in_kv_features, bias, _rate(FLAX, dropout_rate))
+            shape = {"q": (H, d), "k": (Hkv, d), "v": (Hkv, d), "o": (h,)}[n]
+            b[n] = _shape(FLAX, f"{m}.bias", arrays[f"{m}.bias"], shape)
+    cfg = Config(h, H, in_features, in_kv_features, in_kv_features, bias, _rate(FLAX, dropout_rate), Hkv)
     return cfg, _canonical(W, b, bias)
 
 
 def flax_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
-    h, H = cfg.num_hiddens, cfg.num_heads
+    h, H, Hkv = cfg.num_hiddens, cfg.num_heads, cfg.kv_heads
     d = h // H
     if cfg.key_size != cfg.value_size:
         raise _needs(
@@ -304,14 +408,15 @@ def flax_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Ar
         )  # fmt: skip
     w = _weights(cfg, weights)
     kwargs = dict(
-        num_heads=H, in_features=cfg.query_size, qkv_features=h, out_features=h,
+        num_heads=H, num_kv_heads=Hkv, in_features=cfg.query_size, qkv_features=h, out_features=h,
         in_kv_features=cfg.key_size, dropout_rate=cfg.dropout, use_bias=cfg.bias,
         broadcast_dropout=False,  # multiattn drops each weight independently
     )  # fmt: skip
-    arrays = {f"{FLAX_LINEAR[n]}.kernel": w[f"W_{n}"].T.reshape(-1, H, d) for n in "qkv"}
+    heads = {"q": H, "k": Hkv, "v": Hkv}
+    arrays = {f"{FLAX_LINEAR[n]}.kernel": w[f"W_{n}"].T.reshape(-1, heads[n], d) for n in "qkv"}
     arrays["out.kernel"] = w["W_o"].T.reshape(H, d, h)
     if cfg.bias:
-        arrays.update({f"{FLAX_LINEAR[n]}.bias": w[f"b_{n}"].reshape(H, d) for n in "qkv"})
+        arrays.update({f"{FLAX_LINEAR[n]}.bias": w[f"b_{n}"].reshape(heads[n], d) for n in "qkv"})
         arrays["out.bias"] = w["b_o"]
     return kwargs, {k: np.ascontiguousarray(v) for k, v in arrays.items()}
 
@@ -345,6 +450,7 @@ def paddle_from(
 
 def paddle_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
     h = cfg.num_hiddens
+    _check_not_grouped(PADDLE, cfg)
     _check_embed_dim(PADDLE, cfg)
     w = _weights(cfg, weights)
     kwargs = dict(
@@ -397,6 +503,7 @@ def mlx_from(arrays: Mapping[str, Optional[np.ndarray]], *, num_heads: int) -> T
 
 
 def mlx_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays]:
+    _check_not_grouped(MLX, cfg)
     if cfg.dropout:
         raise _needs(
             MLX, "dropout == 0 (it has no dropout): build the multiattn layer with dropout=0.0 and "

@@ -22,7 +22,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
     converters,
 )
@@ -124,6 +123,9 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
     (in, out), biases with ``bias=True``); heads of num_hiddens / num_heads contiguous columns.
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     _stored_in_out = True
@@ -139,19 +141,18 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
         rngs: Optional[nnx.Rngs] = None,
         param_dtype: Any = jnp.float32,
     ) -> None:
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         super().__init__(dropout, rngs)
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias, self.need_weights = bool(bias), need_weights
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
+        self.need_weights = need_weights
         linear = dict(use_bias=self.bias, param_dtype=param_dtype, rngs=rngs)
         self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nnx.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_v = nnx.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_k = nnx.Linear(self.key_size, self._kv_hiddens(), **linear)
+        self.W_v = nnx.Linear(self.value_size, self._kv_hiddens(), **linear)
         self.W_o = nnx.Linear(self.num_hiddens, self.num_hiddens, **linear)
 
     def __call__(
@@ -168,8 +169,8 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
     def from_native(
         cls, layer: nnx.MultiHeadAttention, *, rngs: Optional[nnx.Rngs] = None
     ) -> "MultiHeadAttention":
-        """A MultiHeadAttention with the weights, sizes and dropout rate of a
-        ``flax.nnx.MultiHeadAttention`` (as many key/value heads as heads, out_features == qkv_features)."""
+        """A MultiHeadAttention with the weights, sizes, key/value heads (num_kv_heads) and dropout
+        rate of a ``flax.nnx.MultiHeadAttention`` (out_features == qkv_features)."""
         if not isinstance(layer, nnx.MultiHeadAttention):
             raise TypeError(f"from_native takes a flax.nnx.MultiHeadAttention, got {type(layer).__name__}")
         arrays = converters.read(
@@ -186,8 +187,8 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
         return out
 
     def to_native(self, *, rngs: Optional[nnx.Rngs] = None) -> nnx.MultiHeadAttention:
-        """A new ``flax.nnx.MultiHeadAttention`` with these weights (needs key_size == value_size;
-        ``decode=False``, ``broadcast_dropout=False``, deterministic as this layer's dropout)."""
+        """A new ``flax.nnx.MultiHeadAttention`` with these weights and num_kv_heads (needs key_size ==
+        value_size; ``decode=False``, ``broadcast_dropout=False``, deterministic as this layer's dropout)."""
         kwargs, arrays = converters.flax_to(converters.config(self, self.dropout.rate), self.get_weights())
         layer = nnx.MultiHeadAttention(
             **kwargs, decode=False, deterministic=bool(self.dropout.deterministic),

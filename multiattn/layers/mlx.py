@@ -13,7 +13,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
     converters,
 )
@@ -117,6 +116,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     (out, in), biases with ``bias=True``); heads of num_hiddens / num_heads contiguous columns.
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     def __init__(
@@ -130,15 +132,14 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__(dropout)
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias, self._need_weights = bool(bias), need_weights
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
+        self._need_weights = need_weights
         self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=self.bias)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias=self.bias)
-        self.W_v = nn.Linear(self.value_size, self.num_hiddens, bias=self.bias)
+        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), bias=self.bias)
+        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), bias=self.bias)
         self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, bias=self.bias)
 
     def __call__(
@@ -183,7 +184,8 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         return out.train(layer.training)
 
     def to_native(self) -> nn.MultiHeadAttention:
-        """A new ``mlx.nn.MultiHeadAttention`` with these weights (needs dropout == 0)."""
+        """A new ``mlx.nn.MultiHeadAttention`` with these weights (needs dropout == 0 and
+        num_kv_heads == num_heads: it has no grouped-query attention)."""
         kwargs, arrays = converters.mlx_to(converters.config(self, self._rate), self.get_weights())
         layer = nn.MultiHeadAttention(**kwargs)
         dtype = self.W_o.weight.dtype

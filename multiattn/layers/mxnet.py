@@ -14,7 +14,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
 )
 
@@ -129,6 +128,9 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
     W_o (weights (out, in), biases with ``bias=True``), initialised at construction.
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     def __init__(
@@ -142,17 +144,16 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias, self.need_weights = bool(bias), need_weights
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
+        self.need_weights = need_weights
         dense = dict(use_bias=self.bias, flatten=False)
         self.W_q = nn.Dense(self.num_hiddens, in_units=self.query_size, **dense)
-        self.W_k = nn.Dense(self.num_hiddens, in_units=self.key_size, **dense)
-        self.W_v = nn.Dense(self.num_hiddens, in_units=self.value_size, **dense)
+        self.W_k = nn.Dense(self._kv_hiddens(), in_units=self.key_size, **dense)
+        self.W_v = nn.Dense(self._kv_hiddens(), in_units=self.value_size, **dense)
         self.W_o = nn.Dense(self.num_hiddens, in_units=self.num_hiddens, **dense)
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights = None

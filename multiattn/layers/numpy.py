@@ -13,7 +13,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
 )
 
@@ -142,6 +141,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout (d2l's
     (batch * num_heads, queries, keys) is ``attention_weights.reshape(-1, Q, K)``).
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     def __init__(
@@ -155,13 +157,11 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
         seed: Seed = None,
         dtype: Any = "float32",
     ) -> None:
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias = bool(bias)
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
         super().__init__(dropout, seed)
         self._init_parameters(dtype)

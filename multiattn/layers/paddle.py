@@ -26,7 +26,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
     converters,
 )
@@ -140,6 +139,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     stored (in, out), biases with ``bias=True``); heads of num_hiddens / num_heads columns.
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     def __init__(
@@ -153,16 +155,15 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
     ) -> None:
         super().__init__()
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias, self.need_weights = bool(bias), need_weights
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
+        self.need_weights = need_weights
         linear = dict(bias_attr=None if self.bias else False)
         self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_v = nn.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), **linear)
+        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), **linear)
         self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.attention_weights: Optional[paddle.Tensor] = None
@@ -213,7 +214,8 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         return out
 
     def to_native(self) -> nn.MultiHeadAttention:
-        """A new ``paddle.nn.MultiHeadAttention`` with these weights (needs query_size == num_hiddens)."""
+        """A new ``paddle.nn.MultiHeadAttention`` with these weights (needs query_size == num_hiddens
+        and num_kv_heads == num_heads: it has no grouped-query attention)."""
         kwargs, arrays = converters.paddle_to(converters.config(self, self.dropout.p), self.get_weights())
         layer = nn.MultiHeadAttention(**kwargs)
         layer.to(dtype=self.W_o.weight.dtype)

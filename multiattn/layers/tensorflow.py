@@ -20,7 +20,6 @@ from . import (
     CanonicalWeightsMixin,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
     converters,
 )
@@ -175,6 +174,9 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
     (in, out) (glorot_uniform, as Dense) and, with bias, b_q, b_k, b_v, b_o (zeros).
 
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads); part of get_config.
     """
 
     def __init__(
@@ -188,20 +190,19 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(dropout, **kwargs)
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias, self.need_weights = bool(bias), need_weights
-        for name, size in zip("qkvo", (*sizes, self.num_hiddens)):
-            setattr(self, "W_" + name, self.add_weight(shape=(size, self.num_hiddens), name="W_" + name))
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
+        self.need_weights = need_weights
+        shapes = self._weight_shapes()
+        for name in "qkvo":  # W_q, b_q, W_k, ...: Keras' weight list and saved files keep this order
+            rows, columns = shapes["W_" + name]
+            setattr(self, "W_" + name, self.add_weight(shape=(columns, rows), name="W_" + name))
             if self.bias:
                 setattr(
-                    self,
-                    "b_" + name,
-                    self.add_weight(shape=(self.num_hiddens,), name="b_" + name, initializer="zeros"),
+                    self, "b_" + name, self.add_weight(shape=(rows,), name="b_" + name, initializer="zeros")
                 )
         self.built = True
 
@@ -241,15 +242,20 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             "key_size": self.key_size,
             "value_size": self.value_size,
             "need_weights": self.need_weights,
+            "num_kv_heads": self.num_kv_heads,
         }
 
     @classmethod
     def from_native(cls, layer: Any) -> "MultiHeadAttention":
         """A MultiHeadAttention with the weights, sizes and dropout of a built
-        ``keras.layers.MultiHeadAttention`` (value_dim == key_dim, output width num_heads * key_dim)."""
+        ``keras.layers.MultiHeadAttention`` (value_dim == key_dim, output width num_heads * key_dim)
+        or ``keras.layers.GroupQueryAttention`` (num_kv_heads = its num_key_value_heads)."""
+        if isinstance(layer, keras.layers.GroupQueryAttention):
+            return cls._from_grouped(layer)
         if not isinstance(layer, keras.layers.MultiHeadAttention):
             raise TypeError(
-                f"from_native takes a keras.layers.MultiHeadAttention, got {type(layer).__name__}"
+                "from_native takes a keras.layers.MultiHeadAttention or keras.layers.GroupQueryAttention, "
+                f"got {type(layer).__name__}"
             )
         arrays = converters.read(
             lambda path: converters.attribute(layer, path), converters.KERAS_PATHS, to_numpy
@@ -264,10 +270,32 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
         out.set_weights(weights)
         return out
 
-    def to_native(self) -> Any:
-        """A new, built ``keras.layers.MultiHeadAttention`` with these weights."""
-        kwargs, arrays, build = converters.keras_to(converters.config(self, self.rate), self.get_weights())
-        layer = keras.layers.MultiHeadAttention(**kwargs, dtype=self.W_o.dtype)
+    @classmethod
+    def _from_grouped(cls, layer: Any) -> "MultiHeadAttention":
+        arrays = converters.read(
+            lambda path: converters.attribute(layer, path), converters.KERAS_GQA_PATHS, to_numpy
+        )
+        config, weights = converters.keras_gqa_from(
+            arrays, head_dim=layer.head_dim, num_query_heads=layer.num_query_heads,
+            num_key_value_heads=layer.num_key_value_heads, dropout=layer.dropout,
+            use_gate=getattr(layer, "use_gate", False), sliding_window=getattr(layer, "sliding_window", None),
+        )  # fmt: skip
+        out = cls(**config.kwargs(), dtype=layer._query_dense.kernel.dtype)
+        out.set_weights(weights)
+        return out
+
+    def to_native(self, *, grouped: Optional[bool] = None) -> Any:
+        """A new, built Keras layer with these weights: ``keras.layers.GroupQueryAttention`` where
+        ``grouped`` is True or, by default (None), where num_kv_heads != num_heads (it needs
+        query_size == num_hiddens), else ``keras.layers.MultiHeadAttention``."""
+        if grouped is None:
+            grouped = self.num_kv_heads != self.num_heads
+        elif grouped is not True and grouped is not False:
+            raise TypeError(f"grouped must be True, False or None (by num_kv_heads), got {grouped!r}")
+        to = converters.keras_gqa_to if grouped else converters.keras_to
+        kwargs, arrays, build = to(converters.config(self, self.rate), self.get_weights())
+        native = keras.layers.GroupQueryAttention if grouped else keras.layers.MultiHeadAttention
+        layer = native(**kwargs, dtype=self.W_o.dtype)
         layer.build(**build)
         for path, value in arrays.items():
             variable = converters.attribute(layer, path)

@@ -18,7 +18,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_multi_head_sizes,
     check_sizes,
     converters,
 )
@@ -136,6 +135,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     ``attention_weights``: (batch, num_heads, queries, keys) before dropout; d2l keeps
     (batch * num_heads, queries, keys), which is ``attention_weights.reshape(-1, Q, K)``.
     ``need_weights=False``: the fused SDPA kernel, ``attention_weights`` stays None.
+    ``num_kv_heads`` (default num_heads): grouped-query attention, W_k and W_v projecting to
+    num_kv_heads heads of num_hiddens / num_heads, query head i using key/value head
+    i // (num_heads / num_kv_heads).
     """
 
     def __init__(
@@ -149,19 +151,17 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         key_size: Optional[int] = None,
         value_size: Optional[int] = None,
         need_weights: bool = True,
+        num_kv_heads: Optional[int] = None,
         device: Any = None,
         dtype: Optional[torch.dtype] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        sizes = (query_size, key_size, value_size)
-        self.num_hiddens, self.num_heads, sizes = check_multi_head_sizes(num_hiddens, num_heads, sizes)
-        self.query_size, self.key_size, self.value_size = sizes
-        self.bias = bool(bias)
+        self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         linear = dict(bias=self.bias, device=device, dtype=dtype)
         self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_v = nn.Linear(self.value_size, self.num_hiddens, **linear)
+        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), **linear)
+        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), **linear)
         self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.need_weights = need_weights
@@ -212,7 +212,8 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         return out.train(layer.training)
 
     def to_native(self, batch_first: bool = True) -> nn.MultiheadAttention:
-        """A new ``torch.nn.MultiheadAttention`` with these weights (needs query_size == num_hiddens)."""
+        """A new ``torch.nn.MultiheadAttention`` with these weights (needs query_size == num_hiddens
+        and num_kv_heads == num_heads: it has no grouped-query attention)."""
         kwargs, arrays = converters.torch_to(converters.config(self, self.dropout.p), self.get_weights())
         p = self.W_o.weight
         layer = nn.MultiheadAttention(**kwargs, batch_first=batch_first, device=p.device, dtype=p.dtype)
