@@ -24,11 +24,17 @@ from typing import Any, Callable, Dict, Iterable, Optional
 import numpy as np
 
 from .._registry import get_backend
-from .cases import FUNCTIONS, NUM_HEADS, Case, expected, make_cases
+from .cases import (
+    FUNCTIONS, GROUPED_HEADS, GROUPED_KV_HEADS, MOD_KEYWORDS, NUM_HEADS, Case, expected, make_cases,
+    mod_arguments,
+)  # fmt: skip
+from .native_wrappers import Unsupported
 from .results import framework_version
 
 KINDS = FUNCTIONS[:4]  # a function of the user's is checked as d2l's four (no grouped heads)
 MASK_KEYWORDS = ("attention_mask", "causal")
+# the mod cases' keywords (``cases.mod_arguments``): only ``check --native`` runs those cases
+OPTIONAL_KEYWORDS = MASK_KEYWORDS + tuple(MOD_KEYWORDS.values())
 
 
 class UsageError(ValueError):
@@ -68,20 +74,24 @@ SIGNATURES = {
     "dot_product": "fn(queries, keys, values, valid_lens)",
     "additive": "fn(queries, keys, values, valid_lens, *, W_q, W_k, w_v)",
     "multi_head": "fn(queries, keys, values, valid_lens, *, weights, num_heads)",
+    "grouped": "fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads)",
 }
 
 
 def mask_keywords(fn: Callable, kind: str) -> tuple:
-    """Which of attention_mask/causal fn accepts; UsageError if it cannot take its kind's
-    arguments."""
-    if kind not in KINDS:
+    """Which of attention_mask/causal (and the mods' keywords) fn accepts; UsageError if it
+    cannot take its kind's arguments."""
+    if kind not in FUNCTIONS:
         raise UsageError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: assume the plain form
         return ()
     positional = ("X", None) if kind == "masked_softmax" else (None, None, None, None)
-    keywords = {"additive": ("W_q", "W_k", "w_v"), "multi_head": ("weights", "num_heads")}.get(kind, ())
+    keywords = {
+        "additive": ("W_q", "W_k", "w_v"), "multi_head": ("weights", "num_heads"),
+        "grouped": ("weights", "num_heads", "num_kv_heads"),
+    }.get(kind, ())  # fmt: skip
     try:
         signature.bind(*positional, **dict.fromkeys(keywords))
     except TypeError as err:
@@ -91,8 +101,8 @@ def mask_keywords(fn: Callable, kind: str) -> tuple:
         ) from None
     params = signature.parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return MASK_KEYWORDS
-    return tuple(k for k in MASK_KEYWORDS if k in signature.parameters)
+        return OPTIONAL_KEYWORDS
+    return tuple(k for k in OPTIONAL_KEYWORDS if k in signature.parameters)
 
 
 def fully_masked_rows(case: Case) -> np.ndarray:
@@ -100,9 +110,10 @@ def fully_masked_rows(case: Case) -> np.ndarray:
     return case.expected["weights"].sum(-1) == 0
 
 
-def cases_for(kind: str, seed: int = 0, skip_fully_masked: bool = False) -> list:
-    """The battery of one kind, judged without the fully masked rows where asked."""
-    cases = [c for c in make_cases(seed, mods=False) if c.function == kind]
+def cases_for(kind: str, seed: int = 0, skip_fully_masked: bool = False, mods: bool = False) -> list:
+    """The battery of one kind, judged without the fully masked rows where asked; mods: with
+    the mod cases (``cases.MOD_MASKS``)."""
+    cases = [c for c in make_cases(seed, mods=mods) if c.function == kind]
     if skip_fully_masked:
         for case in cases:
             _ignore_fully_masked_rows(case)
@@ -116,15 +127,17 @@ def run_function(
     seed: int = 0,
     dtypes: Optional[Iterable[str]] = None,
     skip_fully_masked: bool = False,
+    mods: bool = False,
 ) -> Dict[str, Any]:
-    """The results of fn over the battery of its kind, in the form of ``worker.run_backend``;
-    each case's result also carries ``modified`` (inputs written into) where it happened."""
+    """The results of fn over the battery of its kind (mods: and the mod cases, each given by
+    its keyword, ``cases.mod_arguments``), in the form of ``worker.run_backend``; each case's
+    result also carries ``modified`` (inputs written into) where it happened."""
     accepted = mask_keywords(fn, kind)
     module = get_backend(backend)
     if hasattr(module, "enable_float64"):
         module.enable_float64()
     results: Dict[str, Any] = {"version": framework_version(backend), "status": "ok", "cases": {}}
-    for case in cases_for(kind, seed, skip_fully_masked):
+    for case in cases_for(kind, seed, skip_fully_masked, mods):
         if dtypes is not None and case.dtype not in dtypes:
             continue
         if case.dtype not in module.SUPPORTED_DTYPES:
@@ -137,6 +150,10 @@ def run_function(
             absent = "/".join(k for k in MASK_KEYWORDS if k not in accepted)
             results["cases"][case.name] = {"status": f"skipped: the function takes no {absent} keyword"}
             continue
+        absent = [k for k in mod_arguments(case) if k not in accepted]
+        if absent:
+            results["cases"][case.name] = {"status": f"skipped: the function takes no {absent[0]} keyword"}
+            continue
         try:
             results["cases"][case.name] = {"status": "ok", **_run_user_case(module, fn, case)}
         except Exception as err:  # the user's code failing is a failed row, not a dead command
@@ -148,7 +165,7 @@ def _ignore_fully_masked_rows(case: Case) -> None:
     """Judge the case on the other rows only: no cotangent there (so no gradient from them),
     and the reference's rows replaced by the function's later (``skip`` in the result)."""
     dead = fully_masked_rows(case)
-    if case.function == "multi_head":
+    if case.function in ("multi_head", "grouped"):
         dead = dead.all(1)  # an output row is undefined only where every head sees nothing
     case.cotangent = np.where(dead[..., None], 0.0, case.cotangent)
     case.expected = expected(case)
@@ -165,6 +182,8 @@ def _call(module: Any, fn: Callable, case: Case, tensors: Dict[str, Any], lens: 
     if case.function == "additive":
         return fn(*args, W_q=tensors["W_q"], W_k=tensors["W_k"], w_v=tensors["w_v"], **masks)
     weights = {n: t for n, t in tensors.items() if n not in q_names}
+    if case.function == "grouped":
+        return fn(*args, weights=weights, num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS, **masks)
     return fn(*args, weights=weights, num_heads=NUM_HEADS, **masks)
 
 
@@ -176,6 +195,7 @@ def _run_user_case(module: Any, fn: Callable, case: Case) -> Dict[str, Any]:
         masks["attention_mask"] = module.from_numpy(case.attention_mask)
     if case.causal:
         masks["causal"] = True
+    masks.update(mod_arguments(case))
     before = {arg: np.array(module.to_numpy(t)) for arg, t in tensors.items()}  # copies: numpy is itself
     if lens is not None:
         before["valid_lens"] = np.array(module.to_numpy(lens))
@@ -198,8 +218,12 @@ def _run_user_case(module: Any, fn: Callable, case: Case) -> Dict[str, Any]:
             return got[0] if isinstance(got, tuple) and len(got) == 2 else got
 
         cotangent = module.from_numpy(case.cotangent, case.dtype)
-        _, grads = module.vjp(first_output, [tensors[a] for a in order], cotangent)
-        result["grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}
+        try:
+            _, grads = module.vjp(first_output, [tensors[a] for a in order], cotangent)
+        except Unsupported as err:  # a native kernel without a backward here: its values alone
+            result["grads_unsupported"] = str(err)
+        else:
+            result["grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}
     return result
 
 

@@ -22,8 +22,9 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 GRAD_DTYPES = ("float32", "float64")  # gradients are checked where they are meaningful
 BATCH, QUERIES, KEYS, WIDTH, KEY_WIDTH, VALUE_WIDTH, HIDDENS = 2, 3, 5, 4, 3, 3, 6
 MULTI_HEAD_HIDDENS, NUM_HEADS = 4, 2  # multi-head attention: 2 heads of 2 columns, with biases
-# grouped-query attention: 4 query heads of 2 columns sharing 2 key/value heads, with biases
-GROUPED_HIDDENS, GROUPED_HEADS, GROUPED_KV_HEADS = 8, 4, 2
+# grouped-query attention: 4 query heads of 1 column sharing 2 key/value heads, with biases
+# (num_hiddens = the query width, as Keras' GroupQueryAttention needs)
+GROUPED_HIDDENS, GROUPED_HEADS, GROUPED_KV_HEADS = 4, 4, 2
 # Lengths with a fully masked row, a negative and an over-long length.
 LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
 # A boolean mask (True: may attend) with a fully masked row, alone and with lengths and causality.
@@ -43,10 +44,12 @@ MASK_ARGS = {
     "all": (LENGTHS["2d"], MASK, True),
 }
 MOD_ARGS = {
-    "window": (LENGTHS["2d"], None, False),  # sliding_window(WINDOW) and lengths
-    "document": (None, None, False),  # document(QUERY_IDS, KEY_IDS)
+    "window": (None, None, False),  # sliding_window(WINDOW) alone
+    "document": (LENGTHS["1d"], None, False),  # document(QUERY_IDS, KEY_IDS) and lengths
     "softcap": (None, MASK, True),  # softcap(SOFTCAP) before the mask and causality
 }
+# the keyword a function of check --against / --native takes each mod case's argument by
+MOD_KEYWORDS = {"window": "window", "document": "documents", "softcap": "softcap"}
 WINDOW, SOFTCAP = 2, 1.5
 KEY_IDS = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])  # packed documents
 QUERY_IDS = KEY_IDS[:, :QUERIES]
@@ -173,6 +176,14 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
                 case.expected = expected(case)
                 cases.append(case)
     return cases
+
+
+def mod_arguments(case: Case) -> dict:
+    """A mod case's argument for a function that is not multiattn's: window=WINDOW (key j
+    visible from query i iff 0 <= i - j < window), documents=(QUERY_IDS, KEY_IDS) (numpy ids),
+    softcap=SOFTCAP (scores c tanh(s / c) before any mask); {} for the other cases."""
+    value = {"window": WINDOW, "document": (QUERY_IDS, KEY_IDS), "softcap": SOFTCAP}.get(case.mask)
+    return {} if value is None else {MOD_KEYWORDS[case.mask]: value}
 
 
 def mod_keywords(case: Case) -> dict:

@@ -14,7 +14,7 @@ import numpy as np
 from .. import reference
 from .._registry import get_backend
 from .against import cases_for, run_function
-from .cases import MASKS, NUM_HEADS, Case, tolerance
+from .cases import GROUPED_HEADS, GROUPED_KV_HEADS, MASKS, MOD_MASKS, NUM_HEADS, Case, tolerance
 from .native_wrappers import Implementation, absent, implementation_version, implementations
 from .results import Results, framework_version
 from .table import build_rows
@@ -33,7 +33,7 @@ def run_implementation(impl: Implementation, seed: int = 0) -> dict:
     }
     try:
         fn = impl.make()
-        results = run_function(fn, impl.kind, impl.framework, seed)
+        results = run_function(fn, impl.kind, impl.framework, seed, mods=True)
         results["version"] = implementation_version(impl)
     except Exception as err:
         return {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {}, **meta}
@@ -71,7 +71,7 @@ def run_framework(framework: str, seed: int = 0) -> Results:
 
 
 def cases_of(kind: str, seed: int = 0) -> List[Case]:
-    return cases_for(kind, seed)
+    return cases_for(kind, seed, mods=True)
 
 
 def build_native_rows(results: Results, seed: int = 0, overrides: Optional[Dict[str, float]] = None) -> list:
@@ -90,7 +90,7 @@ def _dead_rows(case: Case) -> np.ndarray:
     """(batch, queries): where the reference sees no key."""
     weights = case.expected["weights"]
     dead = weights.sum(-1) == 0
-    return dead.all(1) if case.function == "multi_head" else dead
+    return dead.all(1) if case.function in ("multi_head", "grouped") else dead
 
 
 def _uniform_alternative(case: Case) -> np.ndarray:
@@ -101,9 +101,12 @@ def _uniform_alternative(case: Case) -> np.ndarray:
     if case.function == "dot_product":
         mean = args["values"].mean(1)
     else:
-        zero = np.zeros(args["W_o"].shape[0])
-        projected = args["values"] @ args["W_v"].T + args.get("b_v", zero)
-        mean = projected.mean(1) @ args["W_o"].T + args.get("b_o", zero)
+        zero = np.zeros(args["W_v"].shape[0])
+        mean = (args["values"] @ args["W_v"].T + args.get("b_v", zero)).mean(1)  # per key/value head
+        if case.function == "grouped":  # each query head takes its group's shared head
+            mean = np.repeat(mean.reshape(B, GROUPED_KV_HEADS, -1), GROUPED_HEADS // GROUPED_KV_HEADS, 1)
+            mean = mean.reshape(B, -1)
+        mean = mean @ args["W_o"].T + args.get("b_o", np.zeros(args["W_o"].shape[0]))
     return np.broadcast_to(mean[:, None, :], (B, Q, mean.shape[-1]))
 
 
@@ -119,8 +122,11 @@ def _unmasked(case: Case) -> dict:
     if case.function == "dot_product":
         return reference.dot_product_attention(args["queries"], args["keys"], args["values"], None)
     weights = {n: v for n, v in args.items() if n not in ("queries", "keys", "values")}
+    heads = dict(num_heads=NUM_HEADS)
+    if case.function == "grouped":
+        heads = dict(num_heads=GROUPED_HEADS, num_kv_heads=GROUPED_KV_HEADS)
     return reference.multi_head_attention(
-        args["queries"], args["keys"], args["values"], None, weights, NUM_HEADS
+        args["queries"], args["keys"], args["values"], None, weights, **heads
     )
 
 
@@ -228,7 +234,7 @@ def summarize(results: Results, seed: int = 0, overrides: Optional[Dict[str, flo
     for label, res in results.items():
         cells = {}
         kind = res.get("kind", "dot_product")
-        for mask in MASKS:
+        for mask in MASKS + MOD_MASKS:
             if res["status"] != "ok":
                 cells[mask] = res["status"]
                 continue

@@ -12,7 +12,7 @@ import re
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from .cases import MASKS
+from .cases import MASKS, MOD_MASKS
 from .native import build_native_rows, disagreements, summarize
 from .native_wrappers import IMPLEMENTATIONS
 from .results import Results
@@ -26,7 +26,7 @@ def grouped(summary: List[tuple]) -> List[Tuple[str, str, str]]:
     out = []
     for label, cells in summary:
         by_cell: Dict[str, List[str]] = {}
-        for mask in MASKS:
+        for mask in MASKS + MOD_MASKS:
             by_cell.setdefault(cells[mask], []).append(mask)
         out += [(label, ", ".join(masks), cell) for cell, masks in by_cell.items()]
     return out
@@ -60,7 +60,7 @@ def render(results: Results, seed: int = 0, overrides: Optional[Dict[str, float]
         "reference (FAIL: the framework's own semantics, not an error of this command)", "",
         "Where frameworks disagree (each mask case over every dtype):", "",
         render_summary(summary), "",
-        f"{disagreements(summary)} of {len(summary) * len(MASKS)} implementation x mask cases disagree",
+        f"{disagreements(summary)} of {len(summary) * len(MASKS + MOD_MASKS)} implementation x mask cases disagree",
     ])  # fmt: skip
 
 
@@ -102,8 +102,13 @@ def markdown(
         "`none`; `1d`: lengths `[0, 7]` (5 keys: a fully masked batch row and an over-long length); "
         "`2d`: lengths `[[2, 0, 7], [5, -1, 3]]` (zero and negative: fully masked rows); `mask`: a "
         "boolean (batch, queries, keys) mask with a fully masked row; `causal`: `causal=True` (3 queries, "
-        "5 keys); `all`: 2-D lengths, mask and causality together. Each in float32, float64, float16 and "
-        "bfloat16, values and (float32, float64) gradients with respect to every input and weight.",
+        "5 keys); `all`: 2-D lengths, mask and causality together; and three score and mask functions, "
+        "each given to an implementation whose API has it (else `not run`): `window`: a sliding window, "
+        "key j visible from query i iff 0 <= i - j < 2, alone; `document`: packed documents, visible iff "
+        "query and key ids are equal, with 1-D lengths; `softcap`: scores 1.5 tanh(s / 1.5) before the "
+        "mask and causality. Each in float32, float64, float16 and bfloat16, values and (float32, "
+        "float64) gradients with respect to every input and weight. Grouped-query attention "
+        "(`grouped`): 4 query heads of 1 column sharing 2 key/value heads (num_hiddens 4, biases).",
         "",
         "A disagreement is the framework's own answer, not an error of the translation: with no mask "
         "every implementation agrees with the reference in float32 (tests/test_native.py). How each is "
@@ -135,7 +140,7 @@ def markdown(
         "",
         "## Every row",
         "",
-        "`multiattn check`'s rows (kind x dtype, the six mask cases together) with its verdicts and "
+        "`multiattn check`'s rows (kind x dtype, the nine mask cases together) with its verdicts and "
         "reasons (its first three); `FAIL` is outside the tolerance of multiattn's reference, which here "
         "is the framework's own answer. The errors of every row are in `multiattn check --native`'s "
         "output and `--json`.",

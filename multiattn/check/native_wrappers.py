@@ -41,6 +41,7 @@ from __future__ import annotations
 import importlib
 import math
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -126,8 +127,10 @@ def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.nda
 
     to = {"torch": converters.torch_to, "tensorflow": converters.keras_to, "jax": converters.flax_to,
           "paddle": converters.paddle_to, "mlx": converters.mlx_to}[framework]  # fmt: skip
+    if framework == "tensorflow" and cfg.kv_heads != cfg.num_heads:
+        to = converters.keras_gqa_to
     shapes = validation.multi_head_weight_shapes(
-        cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias
+        cfg.num_hiddens, cfg.query_size, cfg.key_size, cfg.value_size, cfg.bias, cfg.kv_hiddens
     )
     index, offset = {}, 0
     for name, shape in shapes.items():
@@ -141,12 +144,12 @@ def native_layout(framework: str, cfg: Any) -> Tuple[List[str], Dict[str, np.nda
     return list(shapes), {path: np.rint(a).astype(np.int64) for path, a in arrays.items()}
 
 
-def _config(queries: Any, keys: Any, values: Any, weights: dict, num_heads: int) -> Any:
+def _config(queries: Any, keys: Any, values: Any, weights: dict, num_heads: int, num_kv_heads=None) -> Any:
     from ..layers import converters
 
     return converters.Config(
         int(weights["W_q"].shape[0]), int(num_heads), int(queries.shape[-1]), int(keys.shape[-1]),
-        int(values.shape[-1]), "b_q" in weights, 0.0,
+        int(values.shape[-1]), "b_q" in weights, 0.0, num_kv_heads,
     )  # fmt: skip
 
 
@@ -167,7 +170,7 @@ def native_parameters(
 class Implementation:
     label: str  # the framework's name for it
     framework: str  # the multiattn backend whose tensors it takes
-    kind: str  # dot_product or multi_head (check.against's kinds)
+    kind: str  # dot_product, multi_head or grouped (check's functions)
     make: Callable[[], Callable]  # -> the wrapper (imports the framework)
     how: str  # how the wrapper calls it, for the docs
     version: str = ""  # the module whose __version__ is the row's version (default: the framework)
@@ -187,6 +190,83 @@ def _torch_sdpa() -> Callable:
         return F.scaled_dot_product_attention(queries, keys, values, attn_mask=attn_mask)
 
     return fn
+
+
+def _torch_flex() -> Callable:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, window=None,
+           documents=None, softcap=None):  # fmt: skip
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (queries, keys, values)):
+            raise Unsupported("flex_attention has no backward on CPU without torch.compile")
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        allowed = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
+        shown = None if allowed is None else torch.from_numpy(allowed)
+        ids = None if documents is None else [torch.from_numpy(np.asarray(i)) for i in documents]
+
+        def mask_mod(b, h, q, k):  # FlexAttention's signature, on its index tensors
+            found = q >= 0
+            if shown is not None:
+                found = found & shown[b, q, k]
+            if window is not None:
+                found = found & (q - k >= 0) & (q - k < window)
+            if ids is not None:
+                found = found & (ids[0][b, q] == ids[1][b, k])
+            return found
+
+        masked = shown is not None or window is not None or ids is not None
+        block_mask = create_block_mask(mask_mod, B, 1, Q, K, device="cpu") if masked else None
+        score_mod = None if softcap is None else (lambda s, b, h, q, k: softcap * torch.tanh(s / softcap))
+        head = [x[:, None] for x in (queries, keys, values)]  # (batch, 1 head, seq, width)
+        with warnings.catch_warnings():  # its advice to compile, on every eager call
+            warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
+            return flex_attention(*head, score_mod=score_mod, block_mask=block_mask)[:, 0]
+
+    return fn
+
+
+def _heads_by_hand(framework: str, attend: Callable) -> Callable:
+    """A grouped-query multi-head function of a framework's fused kernel, which takes grouped
+    heads itself: the canonical weights' projections (x W^T + b), split into num_heads query and
+    num_kv_heads key/value heads, attend(q, k, v, mask (batch, 1, queries, keys) or None) ->
+    (batch, heads, queries, width), merged and projected by W_o."""
+    module = importlib.import_module(f"multiattn.backends.{framework}")
+    ops = module.ops
+
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads, attention_mask=None,
+           causal=False):  # fmt: skip
+        def project(x, n):
+            W, b = weights["W_" + n], weights.get("b_" + n)
+            y = ops.matmul_t(x, W)
+            return y if b is None else y + b
+
+        q = ops.split_heads(project(queries, "q"), num_heads)
+        k, v = (ops.split_heads(project(x, n), num_kv_heads) for x, n in ((keys, "k"), (values, "v")))
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        allowed = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
+        mask = None if allowed is None else module.from_numpy(allowed[:, None])
+        return project(ops.merge_heads(attend(q, k, v, mask)), "o")
+
+    return fn
+
+
+def _torch_sdpa_gqa() -> Callable:
+    import torch.nn.functional as F
+
+    return _heads_by_hand("torch", lambda q, k, v, mask: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, enable_gqa=True
+    ))  # fmt: skip
+
+
+def _mlx_sdpa_gqa() -> Callable:
+    import math
+
+    import mlx.core as mx
+
+    return _heads_by_hand("mlx", lambda q, k, v, mask: mx.fast.scaled_dot_product_attention(
+        q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), mask=mask
+    ))  # fmt: skip
 
 
 def _torch_mha(need_weights: bool) -> Callable[[], Callable]:
@@ -222,14 +302,19 @@ def _torch_mha(need_weights: bool) -> Callable[[], Callable]:
 def _keras_ops() -> Callable:
     import keras
 
-    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, softcap=None):
         (B, Q, _), K = queries.shape, keys.shape[1]
         mask = visible(_numpy(valid_lens), _numpy(attention_mask), False, B, Q, K)
         head = keras.ops.expand_dims  # (batch, seq, 1 head, width)
-        out = keras.ops.dot_product_attention(
-            head(queries, 2), head(keys, 2), head(values, 2), mask=None if mask is None else mask[:, None],
-            is_causal=causal,
-        )  # fmt: skip
+        try:
+            out = keras.ops.dot_product_attention(
+                head(queries, 2), head(keys, 2), head(values, 2), mask=None if mask is None else mask[:, None],
+                is_causal=causal, **({} if softcap is None else {"attn_logits_soft_cap": softcap}),
+            )  # fmt: skip
+        except ValueError as err:  # Keras refuses the cap but on JAX's TPUs
+            if softcap is not None and "attn_logits_soft_cap" in str(err):
+                raise Unsupported(f"Keras: {err}") from None
+            raise
         return out[:, :, 0]
 
     return fn
@@ -240,10 +325,11 @@ def _keras_mha(scores: bool) -> Callable[[], Callable]:
         from ..backends.tensorflow import MultiHeadAttention
         from ..layers import converters
 
-        def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
+        def fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads=None, attention_mask=None,
+               causal=False):  # fmt: skip
             import tensorflow as tf
 
-            cfg = _config(queries, keys, values, weights, num_heads)
+            cfg = _config(queries, keys, values, weights, num_heads, num_kv_heads)
             params = native_parameters(
                 "tensorflow", cfg, weights, lambda xs: tf.concat(xs, 0), tf.gather,
                 lambda w: tf.reshape(w, [-1]),
@@ -269,7 +355,7 @@ def _jax_sdpa(use_lengths: bool) -> Callable[[], Callable]:
         import jax
         import jax.numpy as jnp
 
-        def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False):
+        def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, window=None):
             (B, Q, _), (_, K, width) = queries.shape, keys.shape
             mask, lengths = jax_masks(_numpy(valid_lens), _numpy(attention_mask), B, Q, K, use_lengths)
             extra = width - values.shape[-1]  # jax needs values as wide as the keys: zero columns
@@ -278,6 +364,7 @@ def _jax_sdpa(use_lengths: bool) -> Callable[[], Callable]:
                 queries[:, :, None], keys[:, :, None], padded[:, :, None],
                 mask=None if mask is None else jnp.asarray(mask), is_causal=causal,
                 key_value_seq_lengths=None if lengths is None else jnp.asarray(lengths),
+                local_window_size=None if window is None else (window - 1, 0),  # i - j in [0, window)
             )  # fmt: skip
             return out[:, :, 0, : values.shape[-1]]
 
@@ -293,8 +380,9 @@ def _flax_mha() -> Callable:
     from ..backends.jax import MultiHeadAttention
     from ..layers import converters
 
-    def fn(queries, keys, values, valid_lens, *, weights, num_heads, attention_mask=None, causal=False):
-        cfg = _config(queries, keys, values, weights, num_heads)
+    def fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads=None, attention_mask=None,
+           causal=False):  # fmt: skip
+        cfg = _config(queries, keys, values, weights, num_heads, num_kv_heads)
         params = native_parameters("jax", cfg, weights, jnp.concatenate, lambda f, i: f[i], jnp.ravel)
         layer = MultiHeadAttention(**cfg.kwargs(), rngs=nnx.Rngs(0), param_dtype=queries.dtype).to_native()
         for path, value in params.items():
@@ -443,6 +531,23 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         f"`attn_mask` (bool, True = attend) of lengths AND mask; {_SDPA_CAUSAL} (torch refuses both)",
     ),
     Implementation(
+        "torch.nn.attention.flex_attention (eager)",
+        "torch",
+        "dot_product",
+        _torch_flex,
+        "one `mask_mod` through `create_block_mask` (lengths AND mask AND causality as a lookup of their "
+        "boolean mask, the window and the documents as their formulas), soft-capping as its `score_mod`; "
+        "values only: eager flex_attention has no backward on CPU (it asks for `torch.compile`)",
+    ),
+    Implementation(
+        "torch.nn.functional.scaled_dot_product_attention (enable_gqa=True)",
+        "torch",
+        "grouped",
+        _torch_sdpa_gqa,
+        "the canonical weights' projections by hand, 4 query heads and 2 key/value heads given as they are "
+        "with `enable_gqa=True`, `attn_mask` (bool) of lengths AND mask AND causality",
+    ),
+    Implementation(
         "torch.nn.MultiheadAttention (need_weights=True)",
         "torch",
         "multi_head",
@@ -462,7 +567,7 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         "tensorflow",
         "dot_product",
         _keras_ops,
-        "`mask` (True = attend) of lengths AND mask, `is_causal`",
+        "`mask` (True = attend) of lengths AND mask, `is_causal`, soft-capping as `attn_logits_soft_cap`",
         "keras",
     ),
     Implementation(
@@ -483,19 +588,29 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         "keras",
     ),
     Implementation(
+        "keras.layers.GroupQueryAttention (return_attention_scores=True)",
+        "tensorflow",
+        "grouped",
+        _keras_mha(True),
+        "built by `MultiHeadAttention(num_kv_heads=2).to_native()`; `attention_mask` (True = attend) of "
+        "lengths AND mask, `use_causal_mask`",
+        "keras",
+    ),
+    Implementation(
         "jax.nn.dot_product_attention (mask=)",
         "jax",
         "dot_product",
         _jax_sdpa(False),
-        "`mask` (True = attend) of lengths AND mask, `is_causal`; values zero-padded to the key width",
+        "`mask` (True = attend) of lengths AND mask, `is_causal`, the window as `local_window_size=(1, 0)`; "
+        "values zero-padded to the key width",
     ),
     Implementation(
         "jax.nn.dot_product_attention (key_value_seq_lengths=)",
         "jax",
         "dot_product",
         _jax_sdpa(True),
-        "1-D lengths as `key_value_seq_lengths`, 2-D lengths and the mask as `mask`, `is_causal`; values "
-        "zero-padded to the key width",
+        "1-D lengths as `key_value_seq_lengths`, 2-D lengths and the mask as `mask`, `is_causal`, the "
+        "window as `local_window_size=(1, 0)`; values zero-padded to the key width",
     ),
     Implementation(
         "flax.nnx.MultiHeadAttention",
@@ -503,6 +618,15 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         "multi_head",
         _flax_mha,
         "`mask` (True = attend) of lengths AND mask AND causality; weights by `sow_weights=True`",
+        "flax",
+    ),
+    Implementation(
+        "flax.nnx.MultiHeadAttention (num_kv_heads=2)",
+        "jax",
+        "grouped",
+        _flax_mha,
+        "built by `MultiHeadAttention(num_kv_heads=2).to_native()`; `mask` (True = attend) of lengths AND "
+        "mask AND causality; weights by `sow_weights=True`",
         "flax",
     ),
     Implementation(
@@ -527,6 +651,14 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         _mlx_sdpa,
         '`mask` (bool, True = attend) of lengths AND mask AND causality (its `"causal"` is bottom-right '
         "aligned), `scale=1/sqrt(d)`",
+    ),
+    Implementation(
+        "mlx.core.fast.scaled_dot_product_attention (grouped heads)",
+        "mlx",
+        "grouped",
+        _mlx_sdpa_gqa,
+        "the canonical weights' projections by hand, 4 query heads and 2 key/value heads given as they are, "
+        "`mask` (bool) of lengths AND mask AND causality",
     ),
     Implementation(
         "mlx.nn.MultiHeadAttention",
