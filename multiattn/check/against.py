@@ -25,7 +25,14 @@ import numpy as np
 
 from .._registry import get_backend
 from .cases import (
-    FUNCTIONS, GROUPED_HEADS, GROUPED_KV_HEADS, MOD_KEYWORDS, NUM_HEADS, Case, expected, make_cases,
+    FUNCTIONS,
+    GROUPED_HEADS,
+    GROUPED_KV_HEADS,
+    MOD_KEYWORDS,
+    NUM_HEADS,
+    Case,
+    expected,
+    make_cases,
     mod_arguments,
 )  # fmt: skip
 from .native_wrappers import Unsupported

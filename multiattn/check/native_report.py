@@ -60,7 +60,8 @@ def render(results: Results, seed: int = 0, overrides: Optional[Dict[str, float]
         "reference (FAIL: the framework's own semantics, not an error of this command)", "",
         "Where frameworks disagree (each mask case over every dtype):", "",
         render_summary(summary), "",
-        f"{disagreements(summary)} of {len(summary) * len(MASKS + MOD_MASKS)} implementation x mask cases disagree",
+        f"{disagreements(summary)} of {len(summary) * len(MASKS + MOD_MASKS)} implementation x mask cases "
+        "disagree",
     ])  # fmt: skip
 
 

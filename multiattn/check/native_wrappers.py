@@ -308,8 +308,9 @@ def _keras_ops() -> Callable:
         head = keras.ops.expand_dims  # (batch, seq, 1 head, width)
         try:
             out = keras.ops.dot_product_attention(
-                head(queries, 2), head(keys, 2), head(values, 2), mask=None if mask is None else mask[:, None],
-                is_causal=causal, **({} if softcap is None else {"attn_logits_soft_cap": softcap}),
+                head(queries, 2), head(keys, 2), head(values, 2),
+                mask=None if mask is None else mask[:, None], is_causal=causal,
+                **({} if softcap is None else {"attn_logits_soft_cap": softcap}),
             )  # fmt: skip
         except ValueError as err:  # Keras refuses the cap but on JAX's TPUs
             if softcap is not None and "attn_logits_soft_cap" in str(err):
@@ -325,8 +326,8 @@ def _keras_mha(scores: bool) -> Callable[[], Callable]:
         from ..backends.tensorflow import MultiHeadAttention
         from ..layers import converters
 
-        def fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads=None, attention_mask=None,
-               causal=False):  # fmt: skip
+        def fn(queries, keys, values, valid_lens, *, weights, num_heads, num_kv_heads=None,
+               attention_mask=None, causal=False):  # fmt: skip
             import tensorflow as tf
 
             cfg = _config(queries, keys, values, weights, num_heads, num_kv_heads)
