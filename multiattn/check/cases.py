@@ -130,11 +130,6 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
         raw["multi_head_" + name] = rng.normal(size=(h, width)) * 0.5
     for name in ("b_q", "b_k", "b_v", "b_o"):
         raw["multi_head_" + name] = rng.normal(size=(h,)) * 0.5
-    h, kv = GROUPED_HIDDENS, GROUPED_HIDDENS // GROUPED_HEADS * GROUPED_KV_HEADS
-    rows = {"q": h, "k": kv, "v": kv, "o": h}
-    for n, width in zip("qkvo", (WIDTH, KEY_WIDTH, VALUE_WIDTH, h)):
-        raw["grouped_W_" + n] = rng.normal(size=(rows[n], width)) * 0.5
-        raw["grouped_b_" + n] = rng.normal(size=(rows[n],)) * 0.5
     cotangents = {
         "masked_softmax": rng.normal(size=(BATCH, QUERIES, KEYS)),
         "dot_product": rng.normal(size=(BATCH, QUERIES, VALUE_WIDTH)),
@@ -142,6 +137,12 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
         "multi_head": rng.normal(size=(BATCH, QUERIES, MULTI_HEAD_HIDDENS)),
         "grouped": rng.normal(size=(BATCH, QUERIES, GROUPED_HIDDENS)),
     }
+    # drawn last, so that the other functions' cases stay those of earlier versions
+    h, kv = GROUPED_HIDDENS, GROUPED_HIDDENS // GROUPED_HEADS * GROUPED_KV_HEADS
+    rows = {"q": h, "k": kv, "v": kv, "o": h}
+    for n, width in zip("qkvo", (WIDTH, KEY_WIDTH, VALUE_WIDTH, h)):
+        raw["grouped_W_" + n] = rng.normal(size=(rows[n], width)) * 0.5
+        raw["grouped_b_" + n] = rng.normal(size=(rows[n],)) * 0.5
     names = {
         "masked_softmax": {"X": "X"},
         "dot_product": {"queries": "queries", "keys": "keys", "values": "values"},
