@@ -14,8 +14,10 @@ default 4096, 16384, 65536) five cases: ``plain``; ``causal`` (causal=True); ``l
   blocks forced on every backend, BLOCK the automatic choice
   (``blockwise.block_size_for`` x ``Ops.compiled_block_scale``);
 * ``default``: the same call with block_size=None, measured where it takes another path:
-  the scores whole where they fit the budget (N^2 * 4 B <= ``SCORES_BUDGET_BYTES``), and on
-  torch past it SDPA's flash kernel (the specialisation ``attend_by_flash_kernel``);
+  the scores whole where they fit the budget (N^2 * 4 B <= ``SCORES_BUDGET_BYTES``), on
+  torch past it SDPA's flash kernel (the specialisation ``attend_by_flash_kernel``), and for the
+  mask functions always (their block side: ``MaskFunction.block_side``); a mask function's
+  ratio is its default call to the unmasked default call (``plain/default``, else the blocks);
 * ``floor``: matmul, softmax, matmul, no mask (benchmarks/textbook.py), plain only, where the
   scores fit (N^2 * 4 B * 3 <= ``--floor-max-gib``);
 * ``sdpa`` (torch): F.scaled_dot_product_attention on (1, 1, N, 64) views (4-D: the flash
@@ -305,9 +307,10 @@ def _mask_mod(case: str, n: int):
 
 def keys_for(backend: str, n: int, floor_max_bytes: float) -> list:
     keys = [f"{case}/blocks" for case in CASES]
-    masks = [case for case in CASES if case not in MOD_CASES]  # mods: the default call is the blocks
+    masks = [case for case in CASES if case not in MOD_CASES]
     if scores_fit_budget(n) or backend == "torch":  # else the automatic call is these blocks
         keys += [f"{case}/default" for case in masks]
+    keys += [f"{case}/default" for case in MOD_CASES]  # the blocks the mask function chooses
     if floor_fits(n, floor_max_bytes):
         keys.append("plain/floor")
     if backend == "torch":
@@ -441,6 +444,9 @@ def render_backend(backend: str, res: dict, floor_max_gib: float) -> str:
         elif case == GRAD:
             forward = res.get("n", {}).get(n, {}).get("times", {}).get("plain/blocks")
             ratio = _ratio(blocks, forward, "forward")
+        elif case in MOD_CASES:  # what a user's call takes, to the same call without the mask
+            unmasked = get("default", "plain") or get("blocks", "plain")
+            ratio = _ratio(get("default") or blocks, unmasked, "unmasked")
         else:
             ratio = _ratio(blocks, get("blocks", "plain"), "plain")
         if f"{case}/default" in t:

@@ -227,6 +227,7 @@ def test_longseq_table_ratios_sdpa_and_the_floor_that_does_not_fit():
     times = {"plain/blocks": 2.0, "causal/blocks": 1.0, "lengths/blocks": 0.5, "plain/default": 1.0}
     times.update({"causal/default": 0.5, "lengths/default": 0.25, "plain/sdpa": 1.0, "causal/sdpa": 0.5})
     times["lengths/sdpa"] = 0.25
+    times.update({"window/blocks": 0.4, "window/default": 0.1})  # the mask's own block: default
     found = {
         "times": times,
         "calls": dict.fromkeys(times, 1),
@@ -245,6 +246,7 @@ def test_longseq_table_ratios_sdpa_and_the_floor_that_does_not_fit():
     assert "| 10.0 (worst 12.0) |" in plain
     assert "| 0.50x plain |" in rows[("65536", "causal")] and "| 0.25x plain |" in rows[("65536", "lengths")]
     assert "| 6.00 s ×1 | 3.00x forward |" in rows[("65536", "fwd+bwd")]
+    assert "| 0.10x unmasked |" in rows[("65536", "window")]  # its default call to the unmasked one
     assert "failed: killed" in rows[("131072", "all")]
     assert "| SDPA | blocks / SDPA |" in table
     assert longseq.parse_sizes("16384,mlx=4096", "x") == ([16384], {"mlx": [4096]})

@@ -204,6 +204,42 @@ KERAS_DENSE = {"q": "query_dense", "k": "key_dense", "v": "value_dense", "o": "o
 KERAS_PATHS = tuple(f"{d}.{p}" for d in KERAS_DENSE.values() for p in ("kernel", "bias"))
 
 
+def _from_einsum_dense(
+    where: str, denses: Mapping[str, str], arrays: Mapping[str, Optional[np.ndarray]], H: int, Hkv: int,
+    d: int, dropout: float, output: tuple,
+) -> Tuple[Config, Arrays]:  # fmt: skip
+    """The Config and canonical weights of a Keras attention layer of EinsumDense projections
+    (``MultiHeadAttention``: Hkv = H; ``GroupQueryAttention``): kernels (in, heads, d), the
+    output's (H, d, h), biases (heads, d) and (h,).  output: (what an output kernel of another
+    width is, given its shape; what the layer needs instead)."""
+    h = H * d
+    kernels = {n: arrays.get(f"{dense}.kernel") for n, dense in denses.items()}
+    if any(k is None for k in kernels.values()):
+        raise ValueError(f"{where} is not built: call it once or build() it with the input shapes first")
+    W = {}
+    for n, heads in zip("qkv", (H, Hkv, Hkv)):
+        kernel = np.asarray(kernels[n])
+        path = f"{denses[n]}.kernel"
+        W[n] = _shape(where, path, kernel, (kernel.shape[0], heads, d)).reshape(-1, heads * d).T
+    out = np.asarray(kernels["o"])
+    if out.ndim != 3 or out.shape[2] != h:
+        raise _cannot(where, output[0](out.shape), output[1])
+    W["o"] = _shape(where, f"{denses['o']}.kernel", out, (H, d, h)).reshape(h, h).T
+    bias = _all_or_no_biases(
+        where, {f"{dense}.bias": arrays.get(f"{dense}.bias") for dense in denses.values()}
+    )
+    b = {}
+    if bias:
+        for n, dense in denses.items():
+            shape = {"q": (H, d), "k": (Hkv, d), "v": (Hkv, d), "o": (h,)}[n]
+            b[n] = _shape(where, f"{dense}.bias", arrays[f"{dense}.bias"], shape)
+    kv_heads = Hkv if where == KERAS_GQA else None  # as each layer's own constructor says it
+    cfg = Config(
+        h, H, W["q"].shape[1], W["k"].shape[1], W["v"].shape[1], bias, _rate(where, dropout), kv_heads
+    )
+    return cfg, _canonical(W, b, bias)
+
+
 def keras_from(
     arrays: Mapping[str, Optional[np.ndarray]], *, num_heads: int, key_dim: int, value_dim: int,
     dropout: float, output_shape: Any, attention_axes: Any, use_gate: bool, sliding_window: Any,
@@ -223,30 +259,11 @@ def keras_from(
         )
     if attention_axes is not None and tuple(attention_axes) not in ((1,), (-2,)):
         raise _cannot(KERAS, f"attention_axes={attention_axes}", "attends over axis 1 of (batch, seq, dim)")
-    kernels = {n: arrays.get(f"{dense}.kernel") for n, dense in KERAS_DENSE.items()}
-    if any(k is None for k in kernels.values()):
-        raise ValueError(f"{KERAS} is not built: call it once or build() it with the input shapes first")
-    W = {}
-    for n in "qkv":
-        kernel = np.asarray(kernels[n])
-        path = f"{KERAS_DENSE[n]}.kernel"
-        W[n] = _shape(KERAS, path, kernel, (kernel.shape[0], H, d)).reshape(-1, h).T
-    out = np.asarray(kernels["o"])
-    if out.ndim != 3 or out.shape[2] != h:
-        raise _cannot(
-            KERAS, f"output_shape={output_shape} (output kernel {out.shape})",
-            f"has output width num_hiddens = num_heads * key_dim = {h}: pass output_shape={h}",
-        )  # fmt: skip
-    W["o"] = _shape(KERAS, "output_dense.kernel", out, (H, d, h)).reshape(h, h).T
-    bias = _all_or_no_biases(
-        KERAS, {f"{dense}.bias": arrays.get(f"{dense}.bias") for dense in KERAS_DENSE.values()}
+    output = (
+        lambda shape: f"output_shape={output_shape} (output kernel {shape})",
+        f"has output width num_hiddens = num_heads * key_dim = {h}: pass output_shape={h}",
     )
-    b = {}
-    if bias:
-        for n, dense in KERAS_DENSE.items():
-            b[n] = _shape(KERAS, f"{dense}.bias", arrays[f"{dense}.bias"], (h,) if n == "o" else (H, d))
-    cfg = Config(h, H, W["q"].shape[1], W["k"].shape[1], W["v"].shape[1], bias, _rate(KERAS, dropout))
-    return cfg, _canonical(W, b, bias)
+    return _from_einsum_dense(KERAS, KERAS_DENSE, arrays, H, H, d, dropout, output)
 
 
 def keras_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays, Dict[str, tuple]]:
@@ -291,33 +308,11 @@ def keras_gqa_from(
         raise _cannot(
             KERAS_GQA, f"sliding_window={sliding_window}", "has no sliding window (pass it as attention_mask)"
         )
-    kernels = {n: arrays.get(f"{dense}.kernel") for n, dense in KERAS_GQA_DENSE.items()}
-    if any(k is None for k in kernels.values()):
-        raise ValueError(f"{KERAS_GQA} is not built: call it once or build() it with the input shapes first")
-    W = {}
-    for n, heads in zip("qkv", (H, Hkv, Hkv)):
-        kernel = np.asarray(kernels[n])
-        path = f"{KERAS_GQA_DENSE[n]}.kernel"
-        W[n] = _shape(KERAS_GQA, path, kernel, (kernel.shape[0], heads, d)).reshape(-1, heads * d).T
-    out = np.asarray(kernels["o"])
-    if out.ndim != 3 or out.shape[2] != h:
-        raise _cannot(
-            KERAS_GQA, f"query width {out.shape[-1]} (its output width; output kernel {out.shape})",
-            f"has output width num_hiddens = num_query_heads * head_dim = {h}",
-        )  # fmt: skip
-    W["o"] = _shape(KERAS_GQA, "_output_dense.kernel", out, (H, d, h)).reshape(h, h).T
-    bias = _all_or_no_biases(
-        KERAS_GQA, {f"{dense}.bias": arrays.get(f"{dense}.bias") for dense in KERAS_GQA_DENSE.values()}
+    output = (
+        lambda shape: f"query width {shape[-1]} (its output width; output kernel {shape})",
+        f"has output width num_hiddens = num_query_heads * head_dim = {h}",
     )
-    b = {}
-    if bias:
-        for n, dense in KERAS_GQA_DENSE.items():
-            shape = {"q": (H, d), "k": (Hkv, d), "v": (Hkv, d), "o": (h,)}[n]
-            b[n] = _shape(KERAS_GQA, f"{dense}.bias", arrays[f"{dense}.bias"], shape)
-    cfg = Config(
-        h, H, W["q"].shape[1], W["k"].shape[1], W["v"].shape[1], bias, _rate(KERAS_GQA, dropout), Hkv
-    )
-    return cfg, _canonical(W, b, bias)
+    return _from_einsum_dense(KERAS_GQA, KERAS_GQA_DENSE, arrays, H, Hkv, d, dropout, output)
 
 
 def keras_gqa_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], Arrays, Dict[str, tuple]]:
