@@ -211,17 +211,17 @@ def multi_head_attention(
             ops.zeros((batch, num_heads, n_queries, n_keys), queries),
         )
     if n_keys == 0:  # every row fully masked: the heads give 0
-        heads = ops.zeros((batch, n_queries, num_hiddens), queries)
-        return project["o"](heads), ops.zeros((batch, num_heads, n_queries, 0), queries)
+        pooled = ops.zeros((batch, n_queries, num_hiddens), queries)
+        return project["o"](pooled), ops.zeros((batch, num_heads, n_queries, 0), queries)
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     q = ops.split_heads(project["q"](queries), num_heads)
     k, v = (ops.split_heads(project[n](x), kv_heads) for n, x in zip("kv", (keys, values)))
     scale = 1.0 / math.sqrt(num_hiddens // num_heads)
-    heads, weights = dot_product_attention(
+    pooled, weights = dot_product_attention(
         ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size,
         score_mod=score_mod,
     )  # fmt: skip
-    return project["o"](ops.merge_heads(heads)), weights
+    return project["o"](ops.merge_heads(pooled)), weights
 
 
 # -- steps ---------------------------------------------------------------------------------
