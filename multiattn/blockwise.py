@@ -232,7 +232,7 @@ def attention_in_blocks(
         queries = queries * scale  # once, not per block
     plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
     n_blocks = len(plan.query_blocks) * len(plan.key_blocks)
-    first, update = _steps(ops, None, n_blocks) if score is None else (None, None)
+    first, update, diagonal = _steps(ops, None, n_blocks) if score is None else (None, None, None)
     key_blocks = [(rows(keys, k0, k1), rows(values, k0, k1)) for k0, k1 in plan.key_blocks]
     outs, lses = [], []
     for q0, q1 in plan.query_blocks:
@@ -242,8 +242,14 @@ def attention_in_blocks(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
+            if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
+                if score is not None:
+                    at = functools.partial(_score_at, score, q0)
+                    diagonal = tuple(functools.partial(step, ops, at) for step in _DIAGONAL)
+                state = diagonal[state is not None](q_block, k_block, v_block, *(state or ()))
+                continue
             if score is not None:  # the caller's scores, told where the block is
-                first, update = _steps(ops, functools.partial(score, block=(q0, q1, k0, k1)), n_blocks)
+                first, update, _ = _steps(ops, functools.partial(score, block=(q0, q1, k0, k1)), n_blocks)
             seen, v_seen = (), v_block
             if kind == PARTIAL:
                 seen = (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
@@ -265,6 +271,38 @@ def attention_in_blocks(
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
+
+
+def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, state) -> tuple:
+    """A square block on the causal diagonal, its queries in two halves: the first half sees
+    only the first half of the keys, so the top-right quarter, all hidden, is never computed.
+    Each half's last query sees all of its keys: no values to mask.  score_at(r0, r1, width):
+    the scores of the block's queries r0 .. r1 - 1 against its first width keys."""
+    side = ops.shape(q)[-2]
+    half = side // 2
+    seen = ops.causal_mask(side, side, k)
+    found = []
+    for r0, r1, width in ((0, half, half), (half, side, side)):
+        s = score_at(r0, r1, width)(rows(q, r0, r1), rows(k, 0, width))
+        part = None if state is None else tuple(rows(x, r0, r1) for x in state)
+        found.append(_online(ops, _masked(ops, s, seen[r0:r1, :width]), rows(v, 0, width), part))
+    return tuple(ops.concat(halves, -2) for halves in zip(*found))
+
+
+def _first_diagonal(ops, score_at, q, k, v):
+    return _diagonal(ops, score_at, q, k, v, None)
+
+
+def _update_diagonal(ops, score_at, q, k, v, m, total, o):
+    return _diagonal(ops, score_at, q, k, v, (m, total, o))
+
+
+_DIAGONAL = (_first_diagonal, _update_diagonal)
+
+
+def _score_at(score: ScoreFn, start: int, r0: int, r1: int, width: int) -> ScoreFn:
+    """A caller's scores of the part (r0 .. r1 - 1, 0 .. width - 1) of the diagonal block at start."""
+    return functools.partial(score, block=(start + r0, start + r1, start, start + width))
 
 
 def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
@@ -335,28 +373,34 @@ COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not pa
 
 
 def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
-    """((first block, first block masked), (next block, next block masked)), each a function
-    of tensors alone; for dot-product scores over at least COMPILE_MIN_BLOCKS blocks through
-    the framework's compiler where it offers one (``ops.compiled``), made once per process."""
+    """((first block, first block masked), (next block, next block masked), (first diagonal
+    block, next diagonal block)), each a function of tensors alone; for dot-product scores over
+    at least COMPILE_MIN_BLOCKS blocks through the framework's compiler where it offers one
+    (``ops.compiled``), made once per process."""
     kinds = ((_first, _first_masked), (_update, _update_masked))
     if score is None and ops.softmax_with_lse is not None:  # dot-product blocks shown whole: finite
         kinds = ((_first_fused, _first_masked), (_update_fused, _update_masked))
-    if score is None and n_blocks < COMPILE_MIN_BLOCKS:
-        score = functools.partial(heads.matmul_t, ops)
-    if score is not None:  # as it is (or a closure over the caller's weights)
-        return tuple(
-            (functools.partial(plain, ops, score), functools.partial(masked, ops, score))
-            for plain, masked in kinds
-        )
+    compile_ = score is None and n_blocks >= COMPILE_MIN_BLOCKS
+    if not compile_:
+        return _made(ops, kinds, score or functools.partial(heads.matmul_t, ops), lambda step: step)
     steps = _COMPILED.get(id(ops))
     if steps is None or steps[0] is not ops:
-        made = tuple(
-            (ops.compiled(functools.partial(plain, ops, functools.partial(heads.matmul_t, ops))),
-             ops.compiled(functools.partial(masked, ops, functools.partial(heads.matmul_t, ops))))
-            for plain, masked in kinds
-        )  # fmt: skip
+        made = _made(ops, kinds, functools.partial(heads.matmul_t, ops), ops.compiled)
         steps = _COMPILED[id(ops)] = (ops, made)
     return steps[1]
+
+
+def _made(ops: Ops, kinds: tuple, score: ScoreFn, compiled: Callable) -> tuple:
+    """The steps of ``_steps``, each over score, through compiled."""
+    at = functools.partial(_same_score, score)
+    return tuple(tuple(compiled(functools.partial(step, ops, score)) for step in pair) for pair in kinds) + (
+        tuple(compiled(functools.partial(step, ops, at)) for step in _DIAGONAL),
+    )
+
+
+def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
+    """score_at of ``_diagonal`` where the scores do not depend on where the block is."""
+    return score
 
 
 def _finite(ops: Ops, m: Tensor) -> Tensor:

@@ -154,13 +154,21 @@ def test_the_plan_skips_hidden_blocks_and_masks_only_partial_ones():
 
 
 def test_causal_and_lengths_compute_only_the_visible_blocks(bk, monkeypatch):
-    calls = []
-    real = bk.module.ops.matmul_t
-    monkeypatch.setattr(type(bk.module.ops), "matmul_t", lambda self, a, b: calls.append(1) or real(a, b))
+    calls, areas = [], []
+    real, shape = bk.module.ops.matmul_t, bk.module.ops.shape
+
+    def counted(self, a, b):
+        calls.append(1)
+        areas.append(shape(a)[-2] * shape(b)[-2])
+        return real(a, b)
+
+    monkeypatch.setattr(type(bk.module.ops), "matmul_t", counted)
     monkeypatch.setattr(blockwise, "_COMPILED", {})  # steps made anew, with the counting matmul_t
     q = bk.tensor(np.random.default_rng(1).normal(size=(1, 16, 4)), "float32")
     multiattn.dot_product_attention(q, q, q, causal=True, block_size=4)
-    assert len(calls) == 4 * 5 // 2, "causal: the blocks on and below the diagonal only"
+    # 6 blocks below the diagonal; each of the 4 on it in two halves of its queries, the first
+    # half against the first half of its keys (2 x 2 + 2 x 4 scores of its 4 x 4)
+    assert sorted(areas) == [4] * 4 + [8] * 4 + [16] * 6, "causal: no score above the diagonal's quarters"
     calls.clear()
     multiattn.dot_product_attention(q, q, q, bk.tensor(np.array([4])), block_size=4)
     if bk.module.ops.host_values(bk.tensor(np.array([4]))) is not None:
