@@ -193,8 +193,9 @@ class sliding_window(MaskFunction):
         return q0 - k0, q1 - q0, k1 - k0  # the band depends on i - j alone
 
     def block_side(self, ops):
-        # half the width: the band's blocks off the diagonal and its edge are then whole
-        return _power_of_two_at_most(max(self.w // 2, 1))
+        # half the width: three blocks per row of blocks, the middle one whole; where steps are
+        # costly, the width: two, the band's triangles (benchmarks/RESULTS.md, mask functions)
+        return _power_of_two_at_most(max(self.w // (1 if ops.costly_steps else 2), 1))
 
     def __repr__(self) -> str:
         return f"sliding_window({self.w})"

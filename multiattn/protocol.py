@@ -212,6 +212,10 @@ class Primitives:
     # its side may be this many times the one whose scores fit L2 (blockwise.block_size_for)
     compiled_block_scale: int = 1
 
+    # where each block step has a high fixed cost (a compiled call's dispatch, a namespace's
+    # per-call checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
+    costly_steps: bool = False
+
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the
         framework's compiler where that pays; the default: step itself."""

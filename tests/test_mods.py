@@ -304,7 +304,7 @@ def test_the_layers_take_score_and_mask_functions(bk, kind):
 
 def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
     """A sliding window asks for blocks of half its width (those inside the band are then shown
-    whole), documents for the largest power of two dividing every document's start; never
+    whole; its width where steps are costly), documents for the largest power of two dividing every document's start; never
     below MIN_BLOCK, never above the machine's side."""
     ops = multiattn.get_backend("numpy").ops
     monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 0)
@@ -313,6 +313,9 @@ def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
     assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(512)) == min(side, 256)
     assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(8)) == blockwise.MIN_BLOCK
     assert mods.sliding_window(512).block_side(ops) == 256
+    monkeypatch.setattr(ops, "costly_steps", True)  # fewer, larger blocks: the band's two triangles
+    assert mods.sliding_window(512).block_side(ops) == 512
+    monkeypatch.setattr(ops, "costly_steps", False)
     ids = np.repeat(np.arange(8), 1024)[None]
     assert mods.document(ids).block_side(ops) == 1024
     assert mods.document(np.array([[0, 0, 0, 1, 1, 1, 1, 1]])).block_side(ops) == 1  # a start at 3

@@ -37,6 +37,7 @@ class JaxOps(NumpyLikeOps):
         return np.dtype(x.dtype).kind
 
     compiled_block_scale = 2  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
+    costly_steps = True  # a jitted call's dispatch
 
     def compiled(self, step):
         # one dispatch per block instead of one per op (inlined under an outer jit)
@@ -66,6 +67,10 @@ class JaxOps(NumpyLikeOps):
 
         function.defvjp(fwd, bwd, symbolic_zeros=True)
         return function(*tensors, *constants)
+
+    def where(self, mask, x, fill):
+        # a Python scalar is weakly typed (x's dtype): jnp.asarray(fill) would cost a dispatch
+        return jnp.where(mask, x, fill)
 
     def softmax(self, x):
         if x.dtype in _HALF:

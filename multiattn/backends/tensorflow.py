@@ -160,6 +160,7 @@ class TensorFlowOps(Ops):
         return tf.maximum(a, tf.constant(b, dtype=a.dtype) if isinstance(b, float) else b)
 
     compiled_block_scale = 4  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
+    costly_steps = True  # a compiled call's dispatch
 
     def compiled(self, step):
         # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own
