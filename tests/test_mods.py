@@ -304,8 +304,8 @@ def test_the_layers_take_score_and_mask_functions(bk, kind):
 
 def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
     """A sliding window asks for blocks of half its width (those inside the band are then shown
-    whole; its width where steps are costly), documents for the largest power of two dividing every document's start; never
-    below MIN_BLOCK, never above the machine's side."""
+    whole; its width where steps are costly), documents for the largest power of two dividing
+    every document's start; never below MIN_BLOCK, never above the machine's side."""
     ops = multiattn.get_backend("numpy").ops
     monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 0)
     q = np.zeros((1, 8192, 64), dtype=np.float32)
