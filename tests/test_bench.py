@@ -258,3 +258,13 @@ def test_longseq_runs_alone():
     cmd = [sys.executable, str(RUN), "--sizes", "toy,longseq", "--out", os.devnull]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "runs alone" in result.stderr
+
+
+def test_rounds_prints_each_ratio_within_rounds():
+    backend = "numpy" if "numpy" in backends_under_test() else backends_under_test()[0]
+    script = RUN.parent / "rounds.py"
+    cmd = [sys.executable, str(script), backend, "--n", "256", "--rounds", "2"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for key in ("plain/blocks / plain/floor", "causal/blocks / plain/blocks", "window/default / plain/default"):
+        assert re.search(re.escape(key) + r": median \d+\.\d{3} \(range \d+\.\d{3}-\d+\.\d{3}\)", result.stdout)
