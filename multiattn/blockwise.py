@@ -380,8 +380,7 @@ def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
     kinds = ((_first, _first_masked), (_update, _update_masked))
     if score is None and ops.softmax_with_lse is not None:  # dot-product blocks shown whole: finite
         kinds = ((_first_fused, _first_masked), (_update_fused, _update_masked))
-    compile_ = score is None and n_blocks >= COMPILE_MIN_BLOCKS
-    if not compile_:
+    if score is not None or n_blocks < COMPILE_MIN_BLOCKS:  # as they are
         return _made(ops, kinds, score or functools.partial(heads.matmul_t, ops), lambda step: step)
     steps = _COMPILED.get(id(ops))
     if steps is None or steps[0] is not ops:
