@@ -82,6 +82,7 @@ class Plan:
         self.ops, self.masks, self.block, self._like = ops, masks, block, like
         lead = (1,) if like is None else tuple(ops.shape(like)[:-2])  # (B,) or (B, H)
         self.batch, self.heads = lead[0], (lead[1] if len(lead) == 2 else None)
+        self._classify = None if masks.mask_mod is None else masks.mask_mod.classifier(ops)
         self.mod_values: dict = {}  # a mask function's blocks, evaluated to be classified
         self.shared_mod_values: dict = {}  # its blocks by ``MaskFunction.values_key``
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
@@ -131,7 +132,7 @@ class Plan:
         """(some key visible, every key) for the mask function over a block: from what it
         knows, else from its booleans read on the host (kept for ``visibility``), else None."""
         ops, mod = self.ops, self.masks.mask_mod
-        known = mod.classify(ops, block)
+        known = self._classify(block)
         if known is not None:
             return known
         values = mod.values(ops, self._like, self.heads, block, self.batch)
@@ -174,6 +175,10 @@ class Plan:
                 self.shared_mod_values[key] = values
         return values
 
+    def split(self, x: Tensor, blocks: List[Tuple[int, int]]) -> List[Tensor]:
+        """x's rows (axis -2) in these consecutive blocks (``ops.split_rows``)."""
+        return self.ops.split_rows(x, [stop - start for start, stop in blocks])
+
     def visible_values(
         self, parts: Tuple[str, ...], v_block: Tensor, seen: Tensor, q1: int, k1: int
     ) -> Tensor:
@@ -203,6 +208,7 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
 # -- forward ---------------------------------------------------------------------------------------
 
 ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
+DIAGONAL = "diagonal"  # a causal block on the diagonal, in two halves (``_diagonal``)
 
 
 def attention_in_blocks(
@@ -231,49 +237,122 @@ def attention_in_blocks(
     if score is None:
         queries = queries * scale  # once, not per block
     plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    n_blocks = len(plan.query_blocks) * len(plan.key_blocks)
-    first, update, diagonal = _steps(ops, None, n_blocks) if score is None else (None, None, None)
-    key_blocks = [(rows(keys, k0, k1), rows(values, k0, k1)) for k0, k1 in plan.key_blocks]
+    # dot-product blocks, enough of them, through the framework's compiler: each step, or each
+    # row of steps as one program (``Ops.compiled_rows``)
+    compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
+    compile_rows = compile_ and ops.compiled_rows
+    steps = _steps(ops, compile_ and not compile_rows) if score is None else None
+    key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
     outs, lses = [], []
-    for q0, q1 in plan.query_blocks:
-        q_block = rows(queries, q0, q1)
-        state = None
+    for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
+        row = []  # (step kind, its step, its tensors after the query block)
         for (k0, k1), (k_block, v_block) in zip(plan.key_blocks, key_blocks):
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
-                if score is not None:
-                    at = functools.partial(_score_at, score, q0)
-                    diagonal = tuple(functools.partial(step, ops, at) for step in _DIAGONAL)
-                state = diagonal[state is not None](q_block, k_block, v_block, *(state or ()))
-                continue
             if score is not None:  # the caller's scores, told where the block is
-                first, update, _ = _steps(ops, functools.partial(score, block=(q0, q1, k0, k1)), n_blocks)
-            seen, v_seen = (), v_block
-            if kind == PARTIAL:
-                seen = (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
-                v_seen = plan.visible_values(parts, v_block, seen[0], q1, k1)
-            if state is None:
-                state = first[kind == PARTIAL](q_block, k_block, v_seen, *seen)
+                steps = _made(ops, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
+            if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
+                row.append((DIAGONAL, steps[DIAGONAL], (k_block, v_block)))
+            elif kind == PARTIAL:
+                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
+                row.append((PARTIAL, steps[PARTIAL], (k_block, v_block, seen)))
             else:
-                state = update[kind == PARTIAL](q_block, k_block, v_seen, *state, *seen)
-        if state is None:  # every key block hidden: nothing to attend to
+                row.append((FULL, steps[FULL], (k_block, v_block)))
+        if row:
+            out, lse = _run_row(ops, q_block, row, compile_rows)
+        else:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
             total = ops.zeros(shape + (1,), values)
-            state = ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values)  # m = -inf
-        ops.settle(state)  # lazy frameworks: m and l would keep every block of scores alive
-        m, total, o = state
-        # m is -inf where no visible score was finite: 0 there, even where a framework's
-        # exp(-inf) is a denormal rather than 0 (paddle's), which would leave the sum and o not 0
-        outs.append(ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0))
-        lses.append(m + ops.log(total))
+            out, lse = _finish(ops, (ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values)))
+        ops.settle((out, lse))  # lazy frameworks: m and l would keep every block of scores alive
+        outs.append(out)
+        lses.append(lse)
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
 
 
-def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, state) -> tuple:
+COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
+_ROWS: dict = {}  # (id(ops), a row's step kinds and tensor counts) -> (ops, its compiled program)
+
+
+def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Tensor]:
+    """(output, lse) of one query block over its row of key blocks (not empty): step by step,
+    or (compiled) the whole row as one program of the framework's compiler (``ops.compiled``:
+    one dispatch, and the compiler schedules the blocks), made once per process for each
+    sequence of step kinds (a causal row: its full blocks, then the diagonal)."""
+    flat = [tensor for _, _, tensors in row for tensor in tensors]
+    counts = tuple(len(tensors) for _, _, tensors in row)
+    if not compiled:
+        return _row(ops, [step for _, step, _ in row], counts, q, *flat)
+    signature = tuple(kind for kind, _, _ in row) + counts
+    found = _ROWS.get((id(ops), signature))
+    if found is None or found[0] is not ops:
+        steps = _steps(ops)
+        program = functools.partial(_row, ops, [steps[kind] for kind, _, _ in row], counts)
+        found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
+    return found[1](q, *flat)
+
+
+def _row(ops: Ops, steps: list, counts: tuple, q: Tensor, *tensors: Tensor) -> Tuple[Tensor, Tensor]:
+    """``_run_row``'s steps in turn, each taking its count of the flat tensors, then finished."""
+    state: tuple = ()
+    at = 0
+    for step, count in zip(steps, counts):
+        state = step(q, *tensors[at : at + count], *state)
+        at += count
+    return _finish(ops, state)
+
+
+def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:
+    """(output O / l, lse m + log l) from the running (m, l, O)."""
+    m, total, o = state
+    # m is -inf where no visible score was finite: 0 there, even where a framework's
+    # exp(-inf) is a denormal rather than 0 (paddle's), which would leave the sum and o not 0
+    return ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0), m + ops.log(total)
+
+
+def _steps(ops: Ops, compiled: bool = False) -> dict:
+    """The dot-product steps by kind (FULL, PARTIAL, DIAGONAL), each through the framework's
+    compiler if compiled, made once per process."""
+    found = _STEPS.get((id(ops), compiled))
+    if found is None or found[0] is not ops:
+        made = _made(ops, functools.partial(heads.matmul_t, ops))
+        made = {kind: ops.compiled(step) for kind, step in made.items()} if compiled else made
+        found = _STEPS[(id(ops), compiled)] = (ops, made)
+    return found[1]
+
+
+_STEPS: dict = {}
+
+
+def _made(ops: Ops, score: ScoreFn, start: Optional[tuple] = None) -> dict:
+    """Each step kind over score, a function of tensors alone: step(q, k, v[, seen], *state),
+    state (m, l, O) from the blocks before, none for a row's first.  start: where the block
+    is (q0, k0), for a caller's scores on the diagonal halves (None: they do not depend on it)."""
+    shown_whole = _full_fused if ops.softmax_with_lse is not None and start is None else _full
+    at = functools.partial(_same_score, score) if start is None else functools.partial(_score_at, score, start[0])
+    return {
+        FULL: functools.partial(shown_whole, ops, score),
+        PARTIAL: functools.partial(_partial, ops, score),
+        DIAGONAL: functools.partial(_diagonal, ops, at),
+    }
+
+
+def _full(ops, score, q, k, v, *state):
+    return _online(ops, score(q, k), v, state or None)
+
+
+def _full_fused(ops, score, q, k, v, *state):  # dot-product blocks shown whole are finite
+    return _fused(ops, score(q, k), v, state or None)
+
+
+def _partial(ops, score, q, k, v, seen, *state):  # the values no query sees: 0, not 0 * NaN
+    return _online(ops, _masked(ops, score(q, k), seen), visible_values(ops, v, seen), state or None)
+
+
+def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, *state) -> tuple:
     """A square block on the causal diagonal, its queries in two halves: the first half sees
     only the first half of the keys, so the top-right quarter, all hidden, is never computed.
     Each half's last query sees all of its keys: no values to mask.  score_at(r0, r1, width):
@@ -284,25 +363,19 @@ def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, 
     found = []
     for r0, r1, width in ((0, half, half), (half, side, side)):
         s = score_at(r0, r1, width)(rows(q, r0, r1), rows(k, 0, width))
-        part = None if state is None else tuple(rows(x, r0, r1) for x in state)
+        part = tuple(rows(x, r0, r1) for x in state) or None
         found.append(_online(ops, _masked(ops, s, seen[r0:r1, :width]), rows(v, 0, width), part))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
-
-
-def _first_diagonal(ops, score_at, q, k, v):
-    return _diagonal(ops, score_at, q, k, v, None)
-
-
-def _update_diagonal(ops, score_at, q, k, v, m, total, o):
-    return _diagonal(ops, score_at, q, k, v, (m, total, o))
-
-
-_DIAGONAL = (_first_diagonal, _update_diagonal)
 
 
 def _score_at(score: ScoreFn, start: int, r0: int, r1: int, width: int) -> ScoreFn:
     """A caller's scores of the part (r0 .. r1 - 1, 0 .. width - 1) of the diagonal block at start."""
     return functools.partial(score, block=(start + r0, start + r1, start, start + width))
+
+
+def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
+    """score_at of ``_diagonal`` where the scores do not depend on where the block is."""
+    return score
 
 
 def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
@@ -340,66 +413,6 @@ def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     top = _finite(ops, m_new)
     rescale, weight = ops.exp(_finite(ops, m) - top), ops.exp(lse - top)
     return m_new, rescale * total + weight, rescale * o + weight * o_block
-
-
-def _first(ops, score, q, k, v):
-    return _online(ops, score(q, k), v)
-
-
-def _first_fused(ops, score, q, k, v):
-    return _fused(ops, score(q, k), v)
-
-
-def _update_fused(ops, score, q, k, v, m, total, o):
-    return _fused(ops, score(q, k), v, (m, total, o))
-
-
-def _first_masked(ops, score, q, k, v, seen):
-    return _online(ops, _masked(ops, score(q, k), seen), v)
-
-
-def _update(ops, score, q, k, v, m, total, o):
-    return _online(ops, score(q, k), v, (m, total, o))
-
-
-def _update_masked(ops, score, q, k, v, m, total, o, seen):
-    return _online(ops, _masked(ops, score(q, k), seen), v, (m, total, o))
-
-
-_COMPILED: dict = {}
-
-
-COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
-
-
-def _steps(ops: Ops, score: Optional[ScoreFn], n_blocks: int) -> tuple:
-    """((first block, first block masked), (next block, next block masked), (first diagonal
-    block, next diagonal block)), each a function of tensors alone; for dot-product scores over
-    at least COMPILE_MIN_BLOCKS blocks through the framework's compiler where it offers one
-    (``ops.compiled``), made once per process."""
-    kinds = ((_first, _first_masked), (_update, _update_masked))
-    if score is None and ops.softmax_with_lse is not None:  # dot-product blocks shown whole: finite
-        kinds = ((_first_fused, _first_masked), (_update_fused, _update_masked))
-    if score is not None or n_blocks < COMPILE_MIN_BLOCKS:  # as they are
-        return _made(ops, kinds, score or functools.partial(heads.matmul_t, ops), lambda step: step)
-    steps = _COMPILED.get(id(ops))
-    if steps is None or steps[0] is not ops:
-        made = _made(ops, kinds, functools.partial(heads.matmul_t, ops), ops.compiled)
-        steps = _COMPILED[id(ops)] = (ops, made)
-    return steps[1]
-
-
-def _made(ops: Ops, kinds: tuple, score: ScoreFn, compiled: Callable) -> tuple:
-    """The steps of ``_steps``, each over score, through compiled."""
-    at = functools.partial(_same_score, score)
-    return tuple(tuple(compiled(functools.partial(step, ops, score)) for step in pair) for pair in kinds) + (
-        tuple(compiled(functools.partial(step, ops, at)) for step in _DIAGONAL),
-    )
-
-
-def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
-    """score_at of ``_diagonal`` where the scores do not depend on where the block is."""
-    return score
 
 
 def _finite(ops: Ops, m: Tensor) -> Tensor:
@@ -442,20 +455,11 @@ def attention_in_blocks_backward(
         row_dot = row_dot - ops.widen(d_lse)
     lse = _finite(ops, lse)
     scaled = queries * scale
-    query_blocks = [
-        (
-            rows(queries, q0, q1),
-            rows(scaled, q0, q1),
-            rows(d_out, q0, q1),
-            rows(lse, q0, q1),
-            rows(row_dot, q0, q1),
-        )
-        for q0, q1 in plan.query_blocks
-    ]
+    query_blocks = list(zip(*(plan.split(x, plan.query_blocks) for x in (queries, scaled, d_out, lse, row_dot))))
     d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
     d_keys, d_values = [], []
-    for k0, k1 in plan.key_blocks:
-        k_block, v_block = rows(keys, k0, k1), rows(values, k0, k1)
+    key_blocks = zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks))
+    for (k0, k1), (k_block, v_block) in zip(plan.key_blocks, key_blocks):
         dk = dv = None
         for i, ((q0, q1), (q_block, q_scaled, do_block, lse_block, dot_block)) in enumerate(
             zip(plan.query_blocks, query_blocks)

@@ -19,6 +19,7 @@ on the host where the framework allows (its blocks are skipped too, after the ev
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -87,6 +88,10 @@ class MaskFunction:
         """(whether some key of the block may be seen, whether every one is), over every batch
         row and head, known on the host without evaluating the block; None: not known."""
         return None
+
+    def classifier(self, ops: Ops) -> Callable[[Block], Optional[Tuple[bool, bool]]]:
+        """``classify`` for the blocks of one call: what it needs from the host read once."""
+        return functools.partial(self.classify, ops)
 
     def values_key(self, block: Block) -> Any:
         """What this mask's booleans for a block depend on, where blocks share them (a key
@@ -246,17 +251,26 @@ class document(MaskFunction):
         return _to_rank(ops, q_part == kv_part, heads)
 
     def classify(self, ops, block):
+        return self.classifier(ops)(block)
+
+    def classifier(self, ops):
         found = []
         for ids in (self.q_ids, self.kv_ids):
             values = ops.host_values(ids) if framework_of(ids) == ops.name else np.asarray(ids)
             if values is None:  # traced: not known
-                return None
+                return lambda block: None
             found.append(np.asarray(values))
-        q0, q1, k0, k1 = block
-        q_ids, kv_ids = found[0][:, q0:q1], found[1][:, k0:k1]
-        some = any(np.intersect1d(q, k).size for q, k in zip(q_ids, kv_ids))
-        every = all(q.min() == q.max() == k.min() == k.max() for q, k in zip(q_ids, kv_ids))
-        return some, every
+        q_ids, kv_ids = found
+        ids_in = functools.lru_cache(maxsize=None)(
+            lambda side, start, stop: [set(np.unique(row[start:stop]).tolist()) for row in (q_ids, kv_ids)[side]]
+        )
+
+        def classify(block):
+            q0, q1, k0, k1 = block
+            pairs = list(zip(ids_in(0, q0, q1), ids_in(1, k0, k1)))
+            return any(q & k for q, k in pairs), all(len(q) == 1 and q == k for q, k in pairs)
+
+        return classify
 
     def block_side(self, ops):
         # the largest power of two dividing every document's start: blocks then hold one document
@@ -295,12 +309,20 @@ class and_masks(MaskFunction):
         return found
 
     def classify(self, ops, block):
-        known = [fn.classify(ops, block) for fn in self.fns]
-        if any(k is not None and not k[0] for k in known):
-            return False, False
-        if all(k is not None and k[1] for k in known):
-            return True, True
-        return None
+        return self.classifier(ops)(block)
+
+    def classifier(self, ops):
+        parts = [fn.classifier(ops) for fn in self.fns]
+
+        def classify(block):
+            known = [part(block) for part in parts]
+            if any(k is not None and not k[0] for k in known):
+                return False, False
+            if all(k is not None and k[1] for k in known):
+                return True, True
+            return None
+
+        return classify
 
     def block_side(self, ops):
         sides = [side for side in (fn.block_side(ops) for fn in self.fns) if side is not None]
@@ -332,12 +354,20 @@ class or_masks(MaskFunction):
         return found
 
     def classify(self, ops, block):
-        known = [fn.classify(ops, block) for fn in self.fns]
-        if any(k is not None and k[1] for k in known):
-            return True, True
-        if all(k is not None and not k[0] for k in known):
-            return False, False
-        return None
+        return self.classifier(ops)(block)
+
+    def classifier(self, ops):
+        parts = [fn.classifier(ops) for fn in self.fns]
+
+        def classify(block):
+            known = [part(block) for part in parts]
+            if any(k is not None and k[1] for k in known):
+                return True, True
+            if all(k is not None and not k[0] for k in known):
+                return False, False
+            return None
+
+        return classify
 
     def __repr__(self) -> str:
         return f"or_masks({', '.join(map(repr, self.fns))})"

@@ -172,6 +172,14 @@ class Primitives:
 
     # -- primitives with a default ------------------------------------------------------
 
+    def split_rows(self, x: Tensor, sizes: Sequence[int]) -> List[Tensor]:
+        """x split along axis -2 into consecutive parts of these sizes (the blocks of
+        ``blockwise``); the default slices each."""
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return [x[..., start:stop, :] for start, stop in zip(bounds, bounds[1:])]
+
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
         """``scale * (a @ b^T)`` for a (B, [H,] Q, d) and b (B, [H,] K, d)."""
         n_keys, width = self.shape(b)[-2], self.shape(a)[-1]
@@ -215,6 +223,10 @@ class Primitives:
     # where each block step has a high fixed cost (a compiled call's dispatch, a namespace's
     # per-call checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
     costly_steps: bool = False
+
+    # whether ``compiled`` takes a whole row of block steps (a query block over its key blocks)
+    # as one program, or each step alone, where the compiler schedules a long program worse
+    compiled_rows: bool = False
 
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the

@@ -163,7 +163,8 @@ def test_causal_and_lengths_compute_only_the_visible_blocks(bk, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(type(bk.module.ops), "matmul_t", counted)
-    monkeypatch.setattr(blockwise, "_COMPILED", {})  # steps made anew, with the counting matmul_t
+    monkeypatch.setattr(blockwise, "_ROWS", {})  # steps made anew, with the counting matmul_t
+    monkeypatch.setattr(blockwise, "_STEPS", {})
     q = bk.tensor(np.random.default_rng(1).normal(size=(1, 16, 4)), "float32")
     multiattn.dot_product_attention(q, q, q, causal=True, block_size=4)
     # 6 blocks below the diagonal; each of the 4 on it in two halves of its queries, the first
@@ -271,12 +272,16 @@ def test_block_size_with_weights_is_an_error(bk):
         multiattn.dot_product_attention(q, q, q, return_lse=1)
 
 
+@pytest.mark.parametrize("whole_rows", [False, True], ids=["steps", "rows"])
 @pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
-def test_the_compiled_block_steps_match_the_reference(bk, kind, monkeypatch):
+def test_the_compiled_block_steps_match_the_reference(bk, kind, whole_rows, monkeypatch):
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
-    here at a small size, with gradients."""
+    here at a small size, each step alone or each row of them as one program
+    (``Ops.compiled_rows``), with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
-    monkeypatch.setattr(blockwise, "_COMPILED", {})
+    monkeypatch.setattr(blockwise, "_ROWS", {})
+    monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(bk.module.ops, "compiled_rows", whole_rows)
     rng = np.random.default_rng(6)
     B, Q, K = 2, 6, 7
     q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))

@@ -243,7 +243,8 @@ def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch):
     calls = []
     real = bk.module.ops.matmul_t
     monkeypatch.setattr(type(bk.module.ops), "matmul_t", lambda self, a, b: calls.append(1) or real(a, b))
-    monkeypatch.setattr(blockwise, "_COMPILED", {})
+    monkeypatch.setattr(blockwise, "_ROWS", {})
+    monkeypatch.setattr(blockwise, "_STEPS", {})
     q = bk.tensor(np.random.default_rng(1).normal(size=(1, 24, 4)), "float32")  # 36 blocks: not compiled
     multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)
     assert len(calls) == 6 + 5, "the diagonal blocks and the one before each"

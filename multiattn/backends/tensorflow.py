@@ -161,10 +161,14 @@ class TensorFlowOps(Ops):
 
     compiled_block_scale = 4  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
     costly_steps = True  # a compiled call's dispatch
+    compiled_rows = True  # one dispatch per row of blocks; XLA schedules the row (RESULTS.md)
 
     def compiled(self, step):
         # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own
         return _Concrete(tf.function(step, jit_compile=True))
+
+    def split_rows(self, x, sizes):
+        return tf.split(x, list(sizes), axis=-2)  # one op: an eager slice costs 0.1 ms each
 
     def host_values(self, x):
         return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
