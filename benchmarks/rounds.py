@@ -61,15 +61,14 @@ def main(argv=None) -> int:
                 start = time.perf_counter()
                 calls[key]()
                 times[key].append(time.perf_counter() - start)
-    print(f"{args.backend} {run._version(args.backend)}, N = {args.n}, blocks of {block}, {args.rounds} rounds")
+    print(
+        f"{args.backend} {run._version(args.backend)}, N = {args.n}, blocks of {block}, {args.rounds} rounds"
+    )
     for key in keys:
         print(f"  {key:20} median {statistics.median(times[key]) * 1e3:9.1f} ms")
     for a, b in ratios:
         found = [x / y for x, y in zip(times[a], times[b])]
-        print(
-            f"  {a} / {b}: median {statistics.median(found):.3f} "
-            f"(range {min(found):.3f}-{max(found):.3f})"
-        )
+        print(f"  {a} / {b}: median {statistics.median(found):.3f} (range {min(found):.3f}-{max(found):.3f})")
     return 0
 
 

@@ -264,7 +264,9 @@ def attention_in_blocks(
         else:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
             total = ops.zeros(shape + (1,), values)
-            out, lse = _finish(ops, (ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values)))
+            out, lse = _finish(
+                ops, (ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values))
+            )
         ops.settle((out, lse))  # lazy frameworks: m and l would keep every block of scores alive
         outs.append(out)
         lses.append(lse)
@@ -332,7 +334,11 @@ def _made(ops: Ops, score: ScoreFn, start: Optional[tuple] = None) -> dict:
     state (m, l, O) from the blocks before, none for a row's first.  start: where the block
     is (q0, k0), for a caller's scores on the diagonal halves (None: they do not depend on it)."""
     shown_whole = _full_fused if ops.softmax_with_lse is not None and start is None else _full
-    at = functools.partial(_same_score, score) if start is None else functools.partial(_score_at, score, start[0])
+    at = (
+        functools.partial(_same_score, score)
+        if start is None
+        else functools.partial(_score_at, score, start[0])
+    )
     return {
         FULL: functools.partial(shown_whole, ops, score),
         PARTIAL: functools.partial(_partial, ops, score),
@@ -455,7 +461,9 @@ def attention_in_blocks_backward(
         row_dot = row_dot - ops.widen(d_lse)
     lse = _finite(ops, lse)
     scaled = queries * scale
-    query_blocks = list(zip(*(plan.split(x, plan.query_blocks) for x in (queries, scaled, d_out, lse, row_dot))))
+    query_blocks = list(
+        zip(*(plan.split(x, plan.query_blocks) for x in (queries, scaled, d_out, lse, row_dot)))
+    )
     d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
     d_keys, d_values = [], []
     key_blocks = zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks))

@@ -262,7 +262,9 @@ class document(MaskFunction):
             found.append(np.asarray(values))
         q_ids, kv_ids = found
         ids_in = functools.lru_cache(maxsize=None)(
-            lambda side, start, stop: [set(np.unique(row[start:stop]).tolist()) for row in (q_ids, kv_ids)[side]]
+            lambda side, start, stop: [
+                set(np.unique(row[start:stop]).tolist()) for row in (q_ids, kv_ids)[side]
+            ]
         )
 
         def classify(block):

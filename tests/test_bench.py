@@ -266,5 +266,11 @@ def test_rounds_prints_each_ratio_within_rounds():
     cmd = [sys.executable, str(script), backend, "--n", "256", "--rounds", "2"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    for key in ("plain/blocks / plain/floor", "causal/blocks / plain/blocks", "window/default / plain/default"):
-        assert re.search(re.escape(key) + r": median \d+\.\d{3} \(range \d+\.\d{3}-\d+\.\d{3}\)", result.stdout)
+    for key in (
+        "plain/blocks / plain/floor",
+        "causal/blocks / plain/blocks",
+        "window/default / plain/default",
+    ):
+        assert re.search(
+            re.escape(key) + r": median \d+\.\d{3} \(range \d+\.\d{3}-\d+\.\d{3}\)", result.stdout
+        )
