@@ -154,8 +154,11 @@ class Plan:
             found.append(ops.length_mask(k_block, lens - k0, axis=-2))
         if "mask" in parts:
             found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
-        if "causal" in parts:  # square blocks on one grid: a partial block sits on the diagonal
+        if "causal" in parts and q0 == k0:  # a block on the diagonal
             found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
+        elif "causal" in parts:  # any other rectangle: key j visible from query i iff j <= i
+            q_idx = ops.expand_dims(ops.positions(q0, q1, k_block), -1)
+            found.append(ops.expand_dims(ops.positions(k0, k1, k_block), 0) <= q_idx)
         if "mod" in parts:
             found.append(self._mod_values((q0, q1, k0, k1), q_block))
         return all_of(ops, found, len(ops.shape(q_block)))

@@ -74,8 +74,9 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, mask_mod=masks.mask_mod)
         if block_size is not None:
-            plain = masks.mask_mod is None and score_mod is None and not grouped(ops, queries, keys)
+            plain = score_mod is None and not grouped(ops, queries, keys)
             if plain and not (forced or need_lse):  # a framework's kernel that never holds the scores whole
+                # (a mask function's too, where the framework's offer takes it)
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
                     return done

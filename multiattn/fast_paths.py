@@ -12,7 +12,7 @@ import functools
 import math
 from typing import Any, Callable, List, Optional
 
-from . import core
+from . import blockwise, core
 from .masks import Masks
 
 Tensor = Any
@@ -196,6 +196,48 @@ def fused_attention(
     # a prefix of lengths shows the first key if any: one column tells which rows see nothing
     seen = mask[..., :1] if masks.only_lengths else ops.any(mask, -1)
     return ops.where(seen, kernel(queries, keys, values, mask, scale), 0.0), None
+
+
+def attention_over_spans(
+    ops: Ops,
+    kernel: Callable[..., Tensor],
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+    scale: float,
+    block_size: int,
+) -> tuple[Tensor, None]:
+    """(output, None) of ``core.dot_product_attention`` by a framework's fused kernel,
+    ``kernel(queries, keys, values, mask or None, scale)``, one call per block of block_size
+    queries over the span of keys from the first to the last key block the masks do not hide
+    (``blockwise.Plan``: a sliding window's band, a document), with the span's mask (None where
+    it shows the span whole): the scores of the hidden blocks outside the span are never made.
+    Hidden values never reach an output; a row that sees nothing is 0, where the kernel gives
+    it 0 or NaN (a softmax over nothing but -inf; not a uniform spread: a kernel's mask as a
+    large finite negative would need ``fused_attention``'s any-row pass per block)."""
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    plan = blockwise.Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
+    finite_values = not core.holds_non_finite(ops, values)  # then no hidden value can reach an output
+    outs = []
+    for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
+        shown = [(k0, k1) for k0, k1 in plan.key_blocks if plan.kind(q0, q1, k0, k1)[0] != blockwise.SKIP]
+        if not shown:
+            outs.append(ops.zeros(tuple(ops.shape(q_block)[:-1]) + (ops.shape(values)[-1],), values))
+            continue
+        k0, k1 = shown[0][0], shown[-1][1]
+        k_span, v_span = blockwise.rows(keys, k0, k1), blockwise.rows(values, k0, k1)
+        kind, parts = plan.kind(q0, q1, k0, k1)
+        if kind == blockwise.FULL:
+            outs.append(kernel(q_block, k_span, v_span, None, scale))
+            continue
+        seen = plan.visibility(parts, q_block, k_span, q0, q1, k0, k1)
+        v_span = v_span if finite_values else core.visible_values(ops, v_span, seen)
+        out = kernel(q_block, k_span, v_span, seen, scale)
+        if core.holds_non_finite(ops, out):  # a row that sees nothing, as NaN (or a visible NaN)
+            out = ops.where(ops.any(seen, -1), out, 0.0)
+        outs.append(out)
+    return (outs[0] if len(outs) == 1 else ops.concat(outs, -2)), None
 
 
 def declines_fused(masks: Masks, dropout: Any, need_weights: bool) -> Optional[str]:

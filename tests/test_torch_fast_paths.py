@@ -497,3 +497,73 @@ def test_the_default_protocol_declines_the_visible_keys_path():
     assert isinstance(
         Ops.attend_over_visible_keys(m.ops, big, big, big, Masks(torch.tensor([1, 2])), 1.0, None, True), str
     )
+
+
+# -- mask functions: each block of queries over its span of keys, by SDPA ---------------------
+
+
+@pytest.fixture
+def spans(monkeypatch):
+    """Blocks of 3 past the budget, and the list of the calls that took the spans."""
+    from multiattn import blockwise, fast_paths
+
+    taken: list = []
+    real = fast_paths.attention_over_spans
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: 3)
+    monkeypatch.setattr(fast_paths, "attention_over_spans", lambda *a: taken.append(a[-1]) or real(*a))
+    return taken
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("lengths", [False, True], ids=["alone", "lengths"])
+@pytest.mark.parametrize(
+    "name", ["sliding_window", "prefix_lm_per_sequence", "document", "and_masks", "or_masks"]
+)
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_mask_functions_over_their_spans_match_the_reference(spans, dtype, name, lengths, causal):
+    """Values (rows that see nothing: 0) and gradients (finite differences of the float64
+    reference), with NaN in the values of hidden keys past the lengths."""
+    import torch
+
+    from .harness import harness
+    from .test_gradients import assert_gradients_close
+    from .test_mods import B, D, K, LENS, Q, mod_cases
+
+    import multiattn
+
+    mask_mod, mask_fn, _, _ = mod_cases(harness("torch"))[name]
+    fn = mask_fn if not causal else (lambda b, h, i, j: mask_fn(b, h, i, j) and j <= i)
+    rng = np.random.default_rng(len(name))
+    q, k, v = (rng.normal(size=(B, n, D)) for n in (Q, K, K))
+    lens = LENS if lengths else None
+
+    def reference(q, k, v):
+        mask = ref.function_mask((B, Q, K), fn)
+        return ref.dot_product_attention(q, k, v, lens, attention_mask=mask)[0]
+
+    poisoned = v.copy()
+    if lengths:
+        poisoned[1, LENS[1] :] = np.nan
+    args = [torch.tensor(x, dtype=getattr(torch, dtype), requires_grad=True) for x in (q, k, poisoned)]
+    t_lens = None if lens is None else torch.tensor(lens)
+    out = multiattn.dot_product_attention(*args, t_lens, mask_mod=mask_mod, causal=causal)
+    assert spans == [3], "the spans were taken"
+    want = reference(q, k, v)
+    tol = tolerance("torch", dtype)
+    np.testing.assert_allclose(out.detach().double().numpy(), want, rtol=tol, atol=tol)
+    if lengths:
+        assert not out[0].detach().any(), "the first sequence sees nothing: 0"
+        return  # NaN values: the finite differences below are of clean inputs
+    cotangent = rng.normal(size=out.shape)
+    out.backward(torch.tensor(cotangent, dtype=out.dtype))
+    step, want_grads = 1e-6, {}
+    for i, x in enumerate((q, k, v)):
+        grad = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            for sign in (1, -1):
+                shifted = [a.copy() for a in (q, k, v)]
+                shifted[i][idx] += sign * step
+                grad[idx] += sign * float(np.sum(reference(*shifted) * cotangent))
+        want_grads["qkv"[i]] = grad / (2 * step)
+    got = {n: a.grad.double().numpy() for n, a in zip("qkv", args)}
+    assert_gradients_close(harness("torch"), got, want_grads, dtype)

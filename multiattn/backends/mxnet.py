@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as onp
+import mxnet as mx
 from mxnet import autograd, np, npx
 
 from .. import fast_paths
@@ -122,7 +123,13 @@ class MxnetOps(Ops):
         return x.reshape(tuple(shape))
 
     def where(self, mask, x, fill):
-        return np.where(mask, x, np.array(fill, dtype=x.dtype))
+        if autograd.is_recording() or not _on_cpu(x):
+            return np.where(mask, x, np.array(fill, dtype=x.dtype))
+        # the legacy where over full-shape operands: np.where's broadcasting is several times
+        # slower (benchmarks/RESULTS.md); not recorded by autograd, so only outside it
+        condition = np.broadcast_to(mask, x.shape).astype(x.dtype).as_nd_ndarray()
+        filled = mx.nd.full(x.shape, fill, dtype=x.dtype, ctx=x.ctx)
+        return mx.nd.where(condition, x.as_nd_ndarray(), filled).as_np_ndarray()
 
     def select(self, condition, x, y):
         x = x if isinstance(x, np.ndarray) else np.array(x, dtype=y.dtype, ctx=y.ctx)

@@ -235,6 +235,13 @@ class TorchOps(Ops):
 
     def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
         # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
+        if masks.mask_mod is not None:  # small masked calls: each block of queries over its span
+            if not queries.is_cpu or torch.compiler.is_compiling():
+                return "a mask function's spans are planned on the host, eagerly (CPU tensors)"
+            block = blockwise.automatic_block_size(self, queries, keys, mask_mod=masks.mask_mod)
+            return functools.partial(
+                fast_paths.attention_over_spans, self, _sdpa, queries, keys, values, masks, scale, block
+            )
         if masks.none:
             return lambda: (_sdpa(queries, keys, values, None, scale), None)
         if masks.causal and masks.valid_lens is None and masks.attention_mask is None:
