@@ -525,11 +525,11 @@ def test_mask_functions_over_their_spans_match_the_reference(spans, dtype, name,
     reference), with NaN in the values of hidden keys past the lengths."""
     import torch
 
+    import multiattn
+
     from .harness import harness
     from .test_gradients import assert_gradients_close
-    from .test_mods import B, D, K, LENS, Q, mod_cases
-
-    import multiattn
+    from .test_mods import LENS, B, D, K, Q, mod_cases
 
     mask_mod, mask_fn, _, _ = mod_cases(harness("torch"))[name]
     fn = mask_fn if not causal else (lambda b, h, i, j: mask_fn(b, h, i, j) and j <= i)

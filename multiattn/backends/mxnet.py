@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import numpy as onp
 import mxnet as mx
+import numpy as onp
 from mxnet import autograd, np, npx
 
 from .. import fast_paths
