@@ -128,6 +128,23 @@ class Plan:
                 parts.append("mod")
         return (PARTIAL if parts else FULL), tuple(parts)
 
+    def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
+        """For a PARTIAL square block with a quarter off its diagonal hidden entirely (a
+        sliding window's band: the bottom-left), the key columns each half of its queries
+        needs, ((c0, c1) of the first half, of the second), relative to k0; else None.  Not
+        where a mask function's quarters would have to be evaluated to be known."""
+        side = q1 - q0
+        if side < 2 or k1 - k0 != side:
+            return None
+        if self.masks.mask_mod is not None and self._classify((q0, q1, k0, k1)) is None:
+            return None
+        half = side // 2
+        if self.kind(q0, q0 + half, k0 + half, k1)[0] == SKIP:
+            return (0, half), (0, side)
+        if self.kind(q0 + half, q1, k0, k0 + half)[0] == SKIP:
+            return (0, side), (half, side)
+        return None
+
     def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
         """(some key visible, every key) for the mask function over a block: from what it
         knows, else from its booleans read on the host (kept for ``visibility``), else None."""
@@ -212,6 +229,7 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
 
 ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
 DIAGONAL = "diagonal"  # a causal block on the diagonal, in two halves (``_diagonal``)
+PARTIAL_FINITE = "partial, finite values"  # a partial block whose values need no masking
 
 
 def attention_in_blocks(
@@ -244,8 +262,9 @@ def attention_in_blocks(
     # row of steps as one program (``Ops.compiled_rows``)
     compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
     compile_rows = compile_ and ops.compiled_rows
-    steps = _steps(ops, compile_ and not compile_rows) if score is None else None
+    compile_steps = compile_ and not compile_rows
     key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
+    finite_values = known_finite(ops, values)  # then no hidden value can reach an output as 0 * NaN
     outs, lses = [], []
     for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
         row = []  # (step kind, its step, its tensors after the query block)
@@ -253,15 +272,19 @@ def attention_in_blocks(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            if score is not None:  # the caller's scores, told where the block is
-                steps = _made(ops, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
+            tensors = (k_block, v_block)
             if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
-                row.append((DIAGONAL, steps[DIAGONAL], (k_block, v_block)))
+                kind = DIAGONAL
             elif kind == PARTIAL:
-                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
-                row.append((PARTIAL, steps[PARTIAL], (k_block, v_block, seen)))
-            else:
-                row.append((FULL, steps[FULL], (k_block, v_block)))
+                tensors += (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
+                halves = plan.halves(q0, q1, k0, k1)
+                kind = PARTIAL_FINITE if finite_values else PARTIAL
+                kind = kind if halves is None else (HALVES, halves, kind == PARTIAL)
+            if score is None:
+                step = _step(ops, kind, compile_steps)
+            else:  # the caller's scores, told where the block is
+                step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
+            row.append((kind, step, tensors))
         if row:
             out, lse = _run_row(ops, q_block, row, compile_rows)
         else:  # every key block hidden: nothing to attend to
@@ -294,8 +317,7 @@ def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Te
     signature = tuple(kind for kind, _, _ in row) + counts
     found = _ROWS.get((id(ops), signature))
     if found is None or found[0] is not ops:
-        steps = _steps(ops)
-        program = functools.partial(_row, ops, [steps[kind] for kind, _, _ in row], counts)
+        program = functools.partial(_row, ops, [step for _, step, _ in row], counts)
         found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
     return found[1](q, *flat)
 
@@ -318,35 +340,38 @@ def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:
     return ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0), m + ops.log(total)
 
 
-def _steps(ops: Ops, compiled: bool = False) -> dict:
-    """The dot-product steps by kind (FULL, PARTIAL, DIAGONAL), each through the framework's
-    compiler if compiled, made once per process."""
-    found = _STEPS.get((id(ops), compiled))
+def _step(ops: Ops, kind: Any, compiled: bool = False) -> Callable[..., Tuple[Tensor, ...]]:
+    """The dot-product step of a kind, through the framework's compiler if compiled, made once
+    per process."""
+    key = (id(ops), kind, compiled)
+    found = _STEPS.get(key)
     if found is None or found[0] is not ops:
-        made = _made(ops, functools.partial(heads.matmul_t, ops))
-        made = {kind: ops.compiled(step) for kind, step in made.items()} if compiled else made
-        found = _STEPS[(id(ops), compiled)] = (ops, made)
+        step = _made(ops, kind, functools.partial(heads.matmul_t, ops))
+        found = _STEPS[key] = (ops, ops.compiled(step) if compiled else step)
     return found[1]
 
 
 _STEPS: dict = {}
+HALVES = "halves"  # (HALVES, the key columns of each half of the queries, mask the values?)
 
 
-def _made(ops: Ops, score: ScoreFn, start: Optional[tuple] = None) -> dict:
-    """Each step kind over score, a function of tensors alone: step(q, k, v[, seen], *state),
-    state (m, l, O) from the blocks before, none for a row's first.  start: where the block
-    is (q0, k0), for a caller's scores on the diagonal halves (None: they do not depend on it)."""
-    shown_whole = _full_fused if ops.softmax_with_lse is not None and start is None else _full
+def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) -> Callable[..., tuple]:
+    """The step of a kind over score, a function of tensors alone: step(q, k, v[, seen],
+    *state), state (m, l, O) from the blocks before, none for a row's first.  start: where the
+    block is (q0, k0), for a caller's scores on a block's parts (None: they do not depend on it)."""
     at = (
         functools.partial(_same_score, score)
         if start is None
-        else functools.partial(_score_at, score, start[0])
+        else functools.partial(_score_at, score, *start)
     )
-    return {
-        FULL: functools.partial(shown_whole, ops, score),
-        PARTIAL: functools.partial(_partial, ops, score),
-        DIAGONAL: functools.partial(_diagonal, ops, at),
-    }
+    if kind == FULL:
+        return functools.partial(_full_fused if ops.softmax_with_lse and start is None else _full, ops, score)
+    if kind in (PARTIAL, PARTIAL_FINITE):
+        return functools.partial(_partial, ops, score, kind == PARTIAL)
+    if kind == DIAGONAL:
+        return functools.partial(_diagonal, ops, at)
+    _, columns, mask_values = kind
+    return functools.partial(_halves, ops, at, columns, mask_values)
 
 
 def _full(ops, score, q, k, v, *state):
@@ -357,29 +382,52 @@ def _full_fused(ops, score, q, k, v, *state):  # dot-product blocks shown whole 
     return _fused(ops, score(q, k), v, state or None)
 
 
-def _partial(ops, score, q, k, v, seen, *state):  # the values no query sees: 0, not 0 * NaN
-    return _online(ops, _masked(ops, score(q, k), seen), visible_values(ops, v, seen), state or None)
+def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 0, not 0 * NaN
+    v = visible_values(ops, v, seen) if mask_values else v
+    return _online(ops, _masked(ops, score(q, k), seen), v, state or None)
+
+
+def known_finite(ops: Ops, x: Tensor) -> bool:
+    """Whether x, read on the host, holds finite numbers only (False where it cannot be read)."""
+    host = ops.host_values(x)
+    return host is not None and bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
 
 
 def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, *state) -> tuple:
     """A square block on the causal diagonal, its queries in two halves: the first half sees
     only the first half of the keys, so the top-right quarter, all hidden, is never computed.
-    Each half's last query sees all of its keys: no values to mask.  score_at(r0, r1, width):
-    the scores of the block's queries r0 .. r1 - 1 against its first width keys."""
+    Each half's last query sees all of its keys: no values to mask.  score_at(r0, r1, c0, c1):
+    the scores of the block's queries r0 .. r1 - 1 against its keys c0 .. c1 - 1."""
     side = ops.shape(q)[-2]
     half = side // 2
     seen = ops.causal_mask(side, side, k)
     found = []
     for r0, r1, width in ((0, half, half), (half, side, side)):
-        s = score_at(r0, r1, width)(rows(q, r0, r1), rows(k, 0, width))
+        s = score_at(r0, r1, 0, width)(rows(q, r0, r1), rows(k, 0, width))
         part = tuple(rows(x, r0, r1) for x in state) or None
         found.append(_online(ops, _masked(ops, s, seen[r0:r1, :width]), rows(v, 0, width), part))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
-def _score_at(score: ScoreFn, start: int, r0: int, r1: int, width: int) -> ScoreFn:
-    """A caller's scores of the part (r0 .. r1 - 1, 0 .. width - 1) of the diagonal block at start."""
-    return functools.partial(score, block=(start + r0, start + r1, start, start + width))
+def _score_at(score: ScoreFn, q0: int, k0: int, r0: int, r1: int, c0: int, c1: int) -> ScoreFn:
+    """A caller's scores of the part (queries r0 .. r1 - 1, keys c0 .. c1 - 1) of the block at
+    (q0, k0)."""
+    return functools.partial(score, block=(q0 + r0, q0 + r1, k0 + c0, k0 + c1))
+
+
+def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen, *state) -> tuple:
+    """A partial square block whose queries' halves each need only some of its keys (a quarter
+    off the diagonal hidden entirely, ``Plan.halves``): each half against its columns, masked;
+    the hidden quarter is never computed."""
+    side = ops.shape(q)[-2]
+    found = []
+    for (r0, r1), (c0, c1) in zip(((0, side // 2), (side // 2, side)), columns):
+        s = score_at(r0, r1, c0, c1)(rows(q, r0, r1), rows(k, c0, c1))
+        part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
+        part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
+        part = tuple(rows(x, r0, r1) for x in state) or None
+        found.append(_online(ops, _masked(ops, s, part_seen), part_v, part))
+    return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
 def _same_score(score: ScoreFn, *where: int) -> ScoreFn:

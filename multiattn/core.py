@@ -74,9 +74,8 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, mask_mod=masks.mask_mod)
         if block_size is not None:
-            plain = score_mod is None and not grouped(ops, queries, keys)
-            if plain and not (forced or need_lse):  # a framework's kernel that never holds the scores whole
-                # (a mask function's too, where the framework's offer takes it)
+            if score_mod is None and not (forced or need_lse):  # a framework's kernel that never holds
+                # the scores whole (grouped heads and a mask function's too, where its offer takes them)
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
                     return done

@@ -218,7 +218,7 @@ def attention_over_spans(
     large finite negative would need ``fused_attention``'s any-row pass per block)."""
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
     plan = blockwise.Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    finite_values = not core.holds_non_finite(ops, values)  # then no hidden value can reach an output
+    finite_values = blockwise.known_finite(ops, values)  # then no hidden value can reach an output
     outs = []
     for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
         shown = [(k0, k1) for k0, k1 in plan.key_blocks if plan.kind(q0, q1, k0, k1)[0] != blockwise.SKIP]

@@ -567,3 +567,47 @@ def test_mask_functions_over_their_spans_match_the_reference(spans, dtype, name,
         want_grads["qkv"[i]] = grad / (2 * step)
     got = {n: a.grad.double().numpy() for n, a in zip("qkv", args)}
     assert_gradients_close(harness("torch"), got, want_grads, dtype)
+
+
+# -- grouped heads past the budget: SDPA with enable_gqa ----------------------------------------
+
+
+@pytest.mark.parametrize("case", ["none", "causal", "lengths", "sliding_window"])
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["grouped", "multi-query"])
+def test_grouped_heads_past_the_budget_by_sdpa_match_the_reference(monkeypatch, num_kv_heads, case):
+    """Values and gradients (finite differences of the float64 reference) with the key and
+    value heads shared, SDPA told so (enable_gqa), never repeated."""
+    import torch
+    import torch.nn.functional as F
+
+    import multiattn
+    from multiattn import blockwise
+
+    from .harness import harness
+    from .test_gradients import assert_gradients_close
+    from .test_grouped_heads import CASES, HEADS, _finite_differences, _inputs, _reference
+
+    monkeypatch.setitem(CASES, "causal", dict(causal=True))
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: 2)
+    calls, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw)
+    )
+    kw = {n: torch.tensor(x) if n == "valid_lens" else x for n, x in CASES[case].items()}
+    inputs, weights = _inputs(num_kv_heads, seed=num_kv_heads)
+    args = [torch.tensor(x, dtype=torch.float64) for x in inputs]
+    t_weights = {n: torch.tensor(w, dtype=torch.float64) for n, w in weights.items()}
+    options = dict(num_heads=HEADS, num_kv_heads=num_kv_heads, **kw)
+    got = multiattn.multi_head_attention(*args, weights=t_weights, **options)
+    assert calls and all(call.get("enable_gqa") for call in calls), "SDPA, its key heads shared"
+    np.testing.assert_allclose(
+        got.numpy(), _reference(inputs, weights, num_kv_heads, case)[0], rtol=1e-10, atol=1e-10
+    )
+    inputs, weights, cotangent, want = _finite_differences(num_kv_heads, case)
+    fixed = {n: torch.tensor(w, dtype=torch.float64) for n, w in weights.items() if n != "W_k"}
+    tensors = [torch.tensor(x, dtype=torch.float64, requires_grad=True) for x in (*inputs, weights["W_k"])]
+    out = multiattn.multi_head_attention(*tensors[:3], weights={**fixed, "W_k": tensors[3]}, **options)
+    out.backward(torch.tensor(cotangent))
+    assert_gradients_close(
+        harness("torch"), {n: t.grad.numpy() for n, t in zip(want, tensors)}, want, "float64"
+    )

@@ -245,7 +245,7 @@ class TorchOps(Ops):
         if masks.none:
             return lambda: (_sdpa(queries, keys, values, None, scale), None)
         if masks.causal and masks.valid_lens is None and masks.attention_mask is None:
-            if _parts_apply(queries, keys, values):
+            if _parts_apply(queries, keys, values) and not _grouped(queries, keys):
                 return lambda: (_causal_in_parts(self, queries, keys, values, scale), None)
             return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=True), None)
         lens = masks.valid_lens
@@ -325,11 +325,17 @@ class _CustomGradient(torch.autograd.Function):
         return (None, None, None, *grads) + (None,) * (len(args) - n)
 
 
+def _grouped(queries, keys) -> bool:
+    """Whether query heads share key heads (4-D, fewer key heads)."""
+    return queries.dim() == 4 and keys.shape[1] != queries.shape[1]
+
+
 def _sdpa(queries, keys, values, mask, scale, is_causal=False):
     """SDPA for the core's (B, [H,] n, d) inputs, mask None or boolean (B, [H|1,] 1|Q, K)."""
-    if queries.dim() == 4:  # heads already
+    if queries.dim() == 4:  # heads already; fewer key heads: grouped (query head i uses i // G)
+        grouped = {"enable_gqa": True} if _grouped(queries, keys) else {}
         return F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal
+            queries, keys, values, attn_mask=mask, scale=scale, is_causal=is_causal, **grouped
         )
     # a heads axis: with 4-D inputs SDPA takes its flash kernel on CPU too (3-D: its math path)
     out = F.scaled_dot_product_attention(
