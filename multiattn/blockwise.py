@@ -128,23 +128,6 @@ class Plan:
                 parts.append("mod")
         return (PARTIAL if parts else FULL), tuple(parts)
 
-    def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
-        """For a PARTIAL square block with a quarter off its diagonal hidden entirely (a
-        sliding window's band: the bottom-left), the key columns each half of its queries
-        needs, ((c0, c1) of the first half, of the second), relative to k0; else None.  Not
-        where a mask function's quarters would have to be evaluated to be known."""
-        side = q1 - q0
-        if side < 2 or k1 - k0 != side:
-            return None
-        if self.masks.mask_mod is not None and self._classify((q0, q1, k0, k1)) is None:
-            return None
-        half = side // 2
-        if self.kind(q0, q0 + half, k0 + half, k1)[0] == SKIP:
-            return (0, half), (0, side)
-        if self.kind(q0 + half, q1, k0, k0 + half)[0] == SKIP:
-            return (0, side), (half, side)
-        return None
-
     def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
         """(some key visible, every key) for the mask function over a block: from what it
         knows, else from its booleans read on the host (kept for ``visibility``), else None."""
@@ -277,9 +260,7 @@ def attention_in_blocks(
                 kind = DIAGONAL
             elif kind == PARTIAL:
                 tensors += (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
-                halves = plan.halves(q0, q1, k0, k1)
                 kind = PARTIAL_FINITE if finite_values else PARTIAL
-                kind = kind if halves is None else (HALVES, halves, kind == PARTIAL)
             if score is None:
                 step = _step(ops, kind, compile_steps)
             else:  # the caller's scores, told where the block is
@@ -352,7 +333,6 @@ def _step(ops: Ops, kind: Any, compiled: bool = False) -> Callable[..., Tuple[Te
 
 
 _STEPS: dict = {}
-HALVES = "halves"  # (HALVES, the key columns of each half of the queries, mask the values?)
 
 
 def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) -> Callable[..., tuple]:
@@ -368,10 +348,7 @@ def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) ->
         return functools.partial(_full_fused if ops.softmax_with_lse and start is None else _full, ops, score)
     if kind in (PARTIAL, PARTIAL_FINITE):
         return functools.partial(_partial, ops, score, kind == PARTIAL)
-    if kind == DIAGONAL:
-        return functools.partial(_diagonal, ops, at)
-    _, columns, mask_values = kind
-    return functools.partial(_halves, ops, at, columns, mask_values)
+    return functools.partial(_diagonal, ops, at)
 
 
 def _full(ops, score, q, k, v, *state):
@@ -413,21 +390,6 @@ def _score_at(score: ScoreFn, q0: int, k0: int, r0: int, r1: int, c0: int, c1: i
     """A caller's scores of the part (queries r0 .. r1 - 1, keys c0 .. c1 - 1) of the block at
     (q0, k0)."""
     return functools.partial(score, block=(q0 + r0, q0 + r1, k0 + c0, k0 + c1))
-
-
-def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen, *state) -> tuple:
-    """A partial square block whose queries' halves each need only some of its keys (a quarter
-    off the diagonal hidden entirely, ``Plan.halves``): each half against its columns, masked;
-    the hidden quarter is never computed."""
-    side = ops.shape(q)[-2]
-    found = []
-    for (r0, r1), (c0, c1) in zip(((0, side // 2), (side // 2, side)), columns):
-        s = score_at(r0, r1, c0, c1)(rows(q, r0, r1), rows(k, c0, c1))
-        part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
-        part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
-        part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(_online(ops, _masked(ops, s, part_seen), part_v, part))
-    return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
 def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
