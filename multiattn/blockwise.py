@@ -288,29 +288,47 @@ _ROWS: dict = {}  # (id(ops), a row's step kinds and tensor counts) -> (ops, its
 
 def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Tensor]:
     """(output, lse) of one query block over its row of key blocks (not empty): step by step,
-    or (compiled) the whole row as one program of the framework's compiler (``ops.compiled``:
-    one dispatch, and the compiler schedules the blocks), made once per process for each
-    sequence of step kinds (a causal row: its full blocks, then the diagonal)."""
-    flat = [tensor for _, _, tensors in row for tensor in tensors]
-    counts = tuple(len(tensors) for _, _, tensors in row)
+    or (compiled) in programs of the framework's compiler (``ops.compiled``: one dispatch each,
+    and the compiler schedules their blocks), each of as many steps as keep their blocks of
+    scores within the budget (XLA computes every block's scores first: a whole row at
+    N = 32768 held 415 MiB),
+    made once per process for each sequence of step kinds (a causal row: its full blocks, then
+    the diagonal)."""
     if not compiled:
-        return _row(ops, [step for _, step, _ in row], counts, q, *flat)
-    signature = tuple(kind for kind, _, _ in row) + counts
-    found = _ROWS.get((id(ops), signature))
-    if found is None or found[0] is not ops:
-        program = functools.partial(_row, ops, [step for _, step, _ in row], counts)
-        found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
-    return found[1](q, *flat)
-
-
-def _row(ops: Ops, steps: list, counts: tuple, q: Tensor, *tensors: Tensor) -> Tuple[Tensor, Tensor]:
-    """``_run_row``'s steps in turn, each taking its count of the flat tensors, then finished."""
+        return _row(ops, [step for _, step, _ in row], _counts(row), False, True, q, *_flat(row))
+    side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
+    scores = math.prod(ops.shape(q)[:-2]) * side * side * 4  # one block of scores
+    length = max(SCORES_BUDGET_BYTES // scores, 1)
     state: tuple = ()
-    at = 0
+    for start in range(0, len(row), length):
+        part, last = row[start : start + length], start + length >= len(row)
+        signature = (tuple(kind for kind, _, _ in part), _counts(part), bool(state), last)
+        found = _ROWS.get((id(ops), signature))
+        if found is None or found[0] is not ops:
+            program = functools.partial(_row, ops, [step for _, step, _ in part], *signature[1:])
+            found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
+        state = found[1](q, *state, *_flat(part))
+    return state
+
+
+def _counts(row: list) -> tuple:
+    return tuple(len(tensors) for _, _, tensors in row)
+
+
+def _flat(row: list) -> list:
+    return [tensor for _, _, tensors in row for tensor in tensors]
+
+
+def _row(
+    ops: Ops, steps: list, counts: tuple, resumed: bool, last: bool, q: Tensor, *tensors: Tensor
+) -> tuple:
+    """``_run_row``'s steps in turn, each taking its count of the flat tensors: from the state
+    (m, l, O) first among them where resumed; finished where last, else the state."""
+    state, at = (tuple(tensors[:3]), 3) if resumed else ((), 0)
     for step, count in zip(steps, counts):
         state = step(q, *tensors[at : at + count], *state)
         at += count
-    return _finish(ops, state)
+    return _finish(ops, state) if last else state
 
 
 def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:

@@ -272,16 +272,19 @@ def test_block_size_with_weights_is_an_error(bk):
         multiattn.dot_product_attention(q, q, q, return_lse=1)
 
 
-@pytest.mark.parametrize("whole_rows", [False, True], ids=["steps", "rows"])
+@pytest.mark.parametrize("programs", ["steps", "rows", "rows in parts"])
 @pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
-def test_the_compiled_block_steps_match_the_reference(bk, kind, whole_rows, monkeypatch):
+def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkeypatch):
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
-    here at a small size, each step alone or each row of them as one program
-    (``Ops.compiled_rows``), with gradients."""
+    here at a small size, each step alone, each row of them as one program
+    (``Ops.compiled_rows``), or a row in programs of one step each, the state passed between
+    them (the scores budget holds one block), with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_ROWS", {})
     monkeypatch.setattr(blockwise, "_STEPS", {})
-    monkeypatch.setattr(bk.module.ops, "compiled_rows", whole_rows)
+    monkeypatch.setattr(bk.module.ops, "compiled_rows", programs != "steps")
+    if programs == "rows in parts":
+        monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 1)
     rng = np.random.default_rng(6)
     B, Q, K = 2, 6, 7
     q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))
