@@ -224,8 +224,9 @@ class Primitives:
     # per-call checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
     costly_steps: bool = False
 
-    # whether ``compiled`` takes a whole row of block steps (a query block over its key blocks)
-    # as one program, or each step alone, where the compiler schedules a long program worse
+    # whether ``compiled`` takes a row of block steps (a query block over its key blocks) as
+    # programs of several steps each (as many as the scores budget holds), or each step alone
+    # (where the compiler schedules a longer program worse)
     compiled_rows: bool = False
 
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:

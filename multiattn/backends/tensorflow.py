@@ -161,7 +161,7 @@ class TensorFlowOps(Ops):
 
     compiled_block_scale = 4  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
     costly_steps = True  # a compiled call's dispatch
-    compiled_rows = True  # one dispatch per row of blocks; XLA schedules the row (RESULTS.md)
+    compiled_rows = True  # a few blocks per dispatch, scheduled by XLA (benchmarks/RESULTS.md)
 
     def compiled(self, step):
         # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own
