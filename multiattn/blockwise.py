@@ -241,8 +241,8 @@ def attention_in_blocks(
     if score is None:
         queries = queries * scale  # once, not per block
     plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    # dot-product blocks, enough of them, through the framework's compiler: each step, or each
-    # row of steps as one program (``Ops.compiled_rows``)
+    # dot-product blocks, enough of them, through the framework's compiler: each step, or a
+    # row's steps a few at a time (``Ops.compiled_rows``)
     compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
     compile_rows = compile_ and ops.compiled_rows
     compile_steps = compile_ and not compile_rows
@@ -283,15 +283,14 @@ def attention_in_blocks(
 
 
 COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
-_ROWS: dict = {}  # (id(ops), a row's step kinds and tensor counts) -> (ops, its compiled program)
+_ROWS: dict = {}  # (id(ops), (step kinds, tensor counts, resumed, last)) -> (ops, compiled program)
 
 
 def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Tensor]:
     """(output, lse) of one query block over its row of key blocks (not empty): step by step,
     or (compiled) in programs of the framework's compiler (``ops.compiled``: one dispatch each,
     and the compiler schedules their blocks), each of as many steps as keep their blocks of
-    scores within the budget (XLA computes every block's scores first: a whole row at
-    N = 32768 held 415 MiB),
+    scores within the budget (XLA computes every block's scores before the softmax passes),
     made once per process for each sequence of step kinds (a causal row: its full blocks, then
     the diagonal)."""
     if not compiled:
