@@ -228,8 +228,9 @@ def multi_head_attention(
 
 
 def grouped(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
-    """Whether query heads share key/value heads (``heads``): the frameworks' fused kernels
-    are not asked (most take one key head per query head)."""
+    """Whether query heads share key/value heads (``heads``): the specialisations of the
+    materialised sizes are not asked (most take one key head per query head); past the
+    budget an adapter's offer may take them (torch: SDPA's ``enable_gqa``)."""
     return heads.groups(ops, queries, keys) > 1
 
 
