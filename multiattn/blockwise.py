@@ -24,6 +24,8 @@ import math
 import os
 from typing import Any, Callable, List, Optional, Tuple
 
+import numpy as np
+
 from . import _machine, heads
 from .masks import Masks, all_of, visible_values
 
@@ -85,6 +87,8 @@ class Plan:
         self._classify = None if masks.mask_mod is None else masks.mask_mod.classifier(ops)
         self.mod_values: dict = {}  # a mask function's blocks, evaluated to be classified
         self.shared_mod_values: dict = {}  # its blocks by ``MaskFunction.values_key``
+        self._biases: dict = {}  # ``hidden_by_bias``'s, by the mask they were made from
+        self._visible: dict = {}  # ``visibility`` of a mask function alone, by its ``values_key``
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
         self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
@@ -147,6 +151,9 @@ class Plan:
     ) -> Tensor:
         """The boolean mask of a PARTIAL block, broadcastable to its scores (B, [H,] bq, bk)."""
         ops, masks = self.ops, self.masks
+        key = masks.mask_mod.values_key((q0, q1, k0, k1)) if parts == ("mod",) else None
+        if key is not None and key in self._visible:  # a block alike (a window's): its mask
+            return self._visible[key]
         found = []
         if "lengths" in parts:
             lens = masks.valid_lens
@@ -161,7 +168,10 @@ class Plan:
             found.append(ops.expand_dims(ops.positions(k0, k1, k_block), 0) <= q_idx)
         if "mod" in parts:
             found.append(self._mod_values((q0, q1, k0, k1), q_block))
-        return all_of(ops, found, len(ops.shape(q_block)))
+        visible = all_of(ops, found, len(ops.shape(q_block)))
+        if key is not None:
+            self._visible[key] = visible
+        return visible
 
     def _mod_values(self, block: tuple, q_block: Tensor) -> Tensor:
         """The mask function's booleans for a block: kept from its classification, shared with
@@ -177,6 +187,28 @@ class Plan:
             if key is not None:
                 self.shared_mod_values[key] = values
         return values
+
+    def hidden_by_bias(self, seen: Tensor, q_block: Tensor, k_block: Tensor) -> Optional[tuple]:
+        """A partial block's mask as ``ops.softmax_with_lse`` takes it: (bias: 0 where seen,
+        ``HIDDEN`` where not, in the scores' shape; column: a key each row sees, any where it
+        sees none; row_bias: 0, or -inf for a row that sees none), made once for each mask
+        (a window's blocks share theirs); None where the mask cannot be read on the host."""
+        found = self._biases.get(id(seen))
+        if found is not None and found[0] is seen:
+            return found[1]
+        ops, host = self.ops, self.ops.host_values(seen)
+        if host is None:
+            return None
+        shape = tuple(ops.shape(q_block)[:-1]) + (ops.shape(k_block)[-2],)
+        host = np.broadcast_to(host, shape)
+        sees = ops.constant(host.any(-1, keepdims=True), q_block)
+        made = (
+            ops.where(seen, ops.zeros(shape, q_block), HIDDEN),
+            ops.constant(host.argmax(-1), q_block),  # the first key each row sees
+            ops.where(sees, ops.zeros(ops.shape(sees), q_block), NEG_INF),
+        )
+        self._biases[id(seen)] = (seen, made)  # seen held: its id is not reused while kept
+        return made
 
     def split(self, x: Tensor, blocks: List[Tuple[int, int]]) -> List[Tensor]:
         """x's rows (axis -2) in these consecutive blocks (``ops.split_rows``)."""
@@ -213,6 +245,8 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
 ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
 DIAGONAL = "diagonal"  # a causal block on the diagonal, in two halves (``_diagonal``)
 PARTIAL_FINITE = "partial, finite values"  # a partial block whose values need no masking
+# through the framework's fused softmax (``Ops.softmax_with_lse``), where the scores are bounded
+FULL_FUSED, PARTIAL_FUSED = "full, fused softmax", "partial, fused softmax"
 
 
 def attention_in_blocks(
@@ -248,24 +282,41 @@ def attention_in_blocks(
     compile_steps = compile_ and not compile_rows
     key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
     finite_values = known_finite(ops, values)  # then no hidden value can reach an output as 0 * NaN
-    outs, lses = [], []
+    fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
+    merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
+    found: list = []  # (output, lse) of each query block in turn
+    pending: list = []  # (query block, row) for one compiled program of rows (``_run_rows``)
     for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
         row = []  # (step kind, its step, its tensors after the query block)
-        for (k0, k1), (k_block, v_block) in zip(plan.key_blocks, key_blocks):
-            kind, parts = plan.kind(q0, q1, k0, k1)
-            if kind == SKIP:
-                continue
+        seen_blocks = _spans(plan, q0, q1, key_blocks, keys, values, merge)
+        for (k0, k1), (k_block, v_block), kind, parts in seen_blocks:
             tensors = (k_block, v_block)
             if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
                 kind = DIAGONAL
+            elif kind == FULL and fused:
+                kind = FULL_FUSED
             elif kind == PARTIAL:
-                tensors += (plan.visibility(parts, q_block, k_block, q0, q1, k0, k1),)
-                kind = PARTIAL_FINITE if finite_values else PARTIAL
+                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
+                hidden = fused and finite_values and plan.hidden_by_bias(seen, q_block, k_block)
+                if hidden:
+                    tensors, kind = tensors + hidden, PARTIAL_FUSED
+                else:
+                    tensors += (seen,)
+                    kind = PARTIAL_FINITE if finite_values else PARTIAL
             if score is None:
                 step = _step(ops, kind, compile_steps)
             else:  # the caller's scores, told where the block is
                 step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
             row.append((kind, step, tensors))
+        length = _program_length(ops, q_block, row) if row and compile_rows else 0
+        if row and len(row) <= length:  # a short row: several in one program, within its length
+            if len(pending) == ROWS_PER_PROGRAM or sum(len(r) for _, r in pending) + len(row) > length:
+                found.extend(_run_rows(ops, pending))
+                pending = []
+            pending.append((q_block, row))
+            continue
+        found.extend(_run_rows(ops, pending))
+        pending = []
         if row:
             out, lse = _run_row(ops, q_block, row, compile_rows)
         else:  # every key block hidden: nothing to attend to
@@ -275,15 +326,48 @@ def attention_in_blocks(
                 ops, (ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values))
             )
         ops.settle((out, lse))  # lazy frameworks: m and l would keep every block of scores alive
-        outs.append(out)
-        lses.append(lse)
+        found.append((out, lse))
+    found.extend(_run_rows(ops, pending))
+    outs, lses = [out for out, _ in found], [lse for _, lse in found]
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
 
 
+def _spans(plan: Plan, q0: int, q1: int, key_blocks: list, keys: Tensor, values: Tensor, merge: bool) -> list:
+    """The key blocks a query block [q0, q1) sees, as ((k0, k1), (keys, values), kind, parts):
+    with a mask function, where they are consecutive and at most ``SPAN_BLOCKS`` blocks wide,
+    and merge (the steps run eagerly, each op dispatched per block), one span of them all: one
+    step instead of several (a sliding window's band).  A compiler fuses each block's passes:
+    there, the blocks stay (benchmarks/RESULTS.md)."""
+    found = []
+    for (k0, k1), kv in zip(plan.key_blocks, key_blocks):
+        kind, parts = plan.kind(q0, q1, k0, k1)
+        if kind != SKIP:
+            found.append(((k0, k1), kv, kind, parts))
+    if not merge or plan.masks.mask_mod is None or len(found) < 2:
+        return found
+    k0, k1 = found[0][0][0], found[-1][0][1]
+    if k1 - k0 > SPAN_BLOCKS * plan.block or k1 - k0 != sum(b - a for (a, b), *_ in found):
+        return found
+    for block, *_ in found:  # the blocks' kept mask values: the span's are evaluated whole
+        plan.mod_values.pop((q0, q1) + block, None)
+    kind, parts = plan.kind(q0, q1, k0, k1)
+    return [((k0, k1), (rows(keys, k0, k1), rows(values, k0, k1)), kind, parts)]
+
+
+SPAN_BLOCKS = 4
+
+
+def _has_compiler(ops: Ops) -> bool:
+    """Whether ``ops.compiled`` is a compiler's, not the default that returns a step as it is."""
+    return ops.compiled(_same_score) is not _same_score
+
+
 COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
-_ROWS: dict = {}  # (id(ops), (step kinds, tensor counts, resumed, last)) -> (ops, compiled program)
+# (id(ops), (step kinds, tensor counts, resumed, last)) -> (ops, compiled program of a row's
+# steps); (id(ops), "rows", ((step kinds, tensor counts) of each row)) -> (ops, program of rows)
+_ROWS: dict = {}
 
 
 def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Tensor]:
@@ -295,9 +379,7 @@ def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Te
     the diagonal)."""
     if not compiled:
         return _row(ops, [step for _, step, _ in row], _counts(row), False, True, q, *_flat(row))
-    side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
-    scores = math.prod(ops.shape(q)[:-2]) * side * side * 4  # one block of scores
-    length = max(SCORES_BUDGET_BYTES // scores, 1)
+    length = _program_length(ops, q, row)
     state: tuple = ()
     for start in range(0, len(row), length):
         part, last = row[start : start + length], start + length >= len(row)
@@ -308,6 +390,44 @@ def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Te
             found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
         state = found[1](q, *state, *_flat(part))
     return state
+
+
+def _program_length(ops: Ops, q: Tensor, row: list) -> int:
+    """How many of a row's steps one compiled program takes: their blocks of scores within
+    the budget (XLA computes every block's scores before the softmax passes)."""
+    side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
+    scores = math.prod(ops.shape(q)[:-2]) * side * side * 4  # one block of scores
+    return max(SCORES_BUDGET_BYTES // scores, 1)
+
+
+ROWS_PER_PROGRAM = int(os.environ.get("MULTIATTN_ROWS_PER_PROGRAM", 8))
+
+
+def _run_rows(ops: Ops, rows_: list) -> list:
+    """[(output, lse)] of short rows [(query block, row)], each within one program's length,
+    as one compiled program: one dispatch for them all."""
+    if not rows_:
+        return []
+    layout = tuple((tuple(kind for kind, _, _ in row), _counts(row)) for _, row in rows_)
+    found = _ROWS.get((id(ops), "rows", layout))
+    if found is None or found[0] is not ops:
+        steps = [[step for _, step, _ in row] for _, row in rows_]
+        program = functools.partial(_rows, ops, steps, [counts for _, counts in layout])
+        found = _ROWS[(id(ops), "rows", layout)] = (ops, ops.compiled(program))
+    flat = found[1](*(t for q, row in rows_ for t in (q, *_flat(row))))
+    results = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
+    ops.settle(tuple(flat))
+    return results
+
+
+def _rows(ops: Ops, steps: list, counts: list, *tensors: Tensor) -> tuple:
+    """``_run_rows``'s program: each row's (output, lse), flat."""
+    found, at = [], 0
+    for row_steps, row_counts in zip(steps, counts):
+        size = 1 + sum(row_counts)
+        found.extend(_row(ops, row_steps, row_counts, False, True, *tensors[at : at + size]))
+        at += size
+    return tuple(found)
 
 
 def _counts(row: list) -> tuple:
@@ -362,7 +482,11 @@ def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) ->
         else functools.partial(_score_at, score, *start)
     )
     if kind == FULL:
-        return functools.partial(_full_fused if ops.softmax_with_lse and start is None else _full, ops, score)
+        return functools.partial(_full, ops, score)
+    if kind == FULL_FUSED:
+        return functools.partial(_full_fused, ops, score)
+    if kind == PARTIAL_FUSED:
+        return functools.partial(_partial_fused, ops, score)
     if kind in (PARTIAL, PARTIAL_FINITE):
         return functools.partial(_partial, ops, score, kind == PARTIAL)
     return functools.partial(_diagonal, ops, at)
@@ -372,8 +496,14 @@ def _full(ops, score, q, k, v, *state):
     return _online(ops, score(q, k), v, state or None)
 
 
-def _full_fused(ops, score, q, k, v, *state):  # dot-product blocks shown whole are finite
-    return _fused(ops, score(q, k), v, state or None)
+def _full_fused(ops, score, q, k, v, *state):
+    w, lse = ops.softmax_with_lse(score(q, k))
+    return _merged(ops, w, lse, v, state or None)
+
+
+def _partial_fused(ops, score, q, k, v, bias, column, row_bias, *state):  # ``Plan.hidden_by_bias``
+    w, lse = ops.softmax_with_lse(score(q, k) + bias, column)
+    return _merged(ops, w, lse + row_bias, v, state or None)
 
 
 def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 0, not 0 * NaN
@@ -384,7 +514,7 @@ def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 
 def known_finite(ops: Ops, x: Tensor) -> bool:
     """Whether x, read on the host, holds finite numbers only (False where it cannot be read)."""
     host = ops.host_values(x)
-    return host is not None and bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
+    return host is not None and bool(np.isfinite(host).all())
 
 
 def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, *state) -> tuple:
@@ -433,14 +563,9 @@ def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
     return ops.where(seen, s, NEG_INF)
 
 
-def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
-    """One key block shown whole through the framework's fused softmax (``ops.softmax_with_lse``):
-    the block's own weights W and lse_b (Rabe & Staats: a chunk's normalised output and its
-    log-sum-exp) merged into (m, l, O) as a block whose max is lse_b and whose sum is 1."""
-    found = ops.softmax_with_lse(s)
-    if found is None:  # the framework cannot tell this block's lse: the formula
-        return _online(ops, s, v, state)
-    w, lse = found
+def _merged(ops: Ops, w: Tensor, lse: Tensor, v: Tensor, state: tuple = None) -> tuple:
+    """A block's own softmax weights W and log-sum-exp (Rabe & Staats: a chunk's normalised
+    output and its lse) merged into (m, l, O), as a block whose max is lse and whose sum is 1."""
     o_block = heads.matmul(ops, w, v)
     if state is None:
         return lse, ops.zeros(ops.shape(lse), lse) + 1.0, o_block
@@ -449,6 +574,20 @@ def _fused(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
     top = _finite(ops, m_new)
     rescale, weight = ops.exp(_finite(ops, m) - top), ops.exp(lse - top)
     return m_new, rescale * total + weight, rescale * o + weight * o_block
+
+
+def bounded_scores(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
+    """Whether every dot-product score of queries and keys, read on the host, is finite and
+    within ``SCORES_BOUND`` (|q . k| <= d max|q| max|k|); False where they cannot be read."""
+    q, k = ops.host_values(queries), ops.host_values(keys)
+    if q is None or k is None:
+        return False
+    top = float(abs(q).max(initial=0)) * float(abs(k).max(initial=0)) * q.shape[-1]
+    return top <= SCORES_BOUND  # False where top is NaN or inf
+
+
+HIDDEN = -1e30  # a hidden score where the fused softmax takes them finite: exp(HIDDEN - s) = 0
+SCORES_BOUND = 1e20  # |scores| below it: s + HIDDEN stays far below every visible score
 
 
 def _finite(ops: Ops, m: Tensor) -> Tensor:

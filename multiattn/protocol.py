@@ -211,10 +211,11 @@ class Primitives:
         framework's own differentiation of it)."""
         return forward(*tensors, *constants)
 
-    # (softmax(x), log sum exp(x)) along the last axis, keepdims, where the framework's fused
-    # softmax is faster than its max, exp and sum: blockwise takes it for the blocks shown whole
-    # (a call may return None: that block by the formula)
-    softmax_with_lse: Optional[Callable[[Tensor], Tuple[Tensor, Tensor]]] = None
+    # softmax_with_lse(x, column=None) -> (softmax(x), log sum exp(x)) along the last axis,
+    # keepdims, where the framework's fused softmax is faster than its max, exp and sum; x is
+    # finite (hidden scores: blockwise.HIDDEN), column (x's shape less its last axis, ints) a
+    # column each row sees (None: column 0); blockwise takes it where the scores are bounded
+    softmax_with_lse: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
 
     # where the block steps are compiled (``compiled``), the compiler fuses a block's passes:
     # its side may be this many times the one whose scores fit L2 (blockwise.block_size_for)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import blockwise
+from multiattn import blockwise, mods
 from multiattn.masks import Masks
 
 from . import reference as ref
@@ -125,6 +125,38 @@ def test_nan_in_what_the_masks_hide_never_reaches_the_output(bk):
         *(bk.tensor(x, "float32") for x in (q, k, v)), bk.tensor(lens), block_size=4
     )
     assert_close(bk, out, want, "float32")
+
+
+@pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_scores_far_apart_in_partial_blocks_match_the_reference(bk, dtype, span_blocks, monkeypatch):
+    """Rows whose first visible score is 800 below another (its softmax weight underflows,
+    in float64 too: a fused softmax's lse must not be read from it), with rows that see
+    nothing; a row's blocks merged one by one, or as one span.  The scores are small
+    integers, exact in every dtype."""
+    supported(bk, dtype)
+    monkeypatch.setattr(blockwise, "SPAN_BLOCKS", span_blocks)
+    rng = np.random.default_rng(6)
+    q = np.ones((2, 12, 1))
+    k = np.where(np.arange(12) % 3 == 0, -800.0, np.arange(12) % 3)[None, :, None].repeat(2, 0)
+    v = rng.normal(size=(2, 12, 3))
+    lens = np.array([0, 9])
+    visible = ref.function_mask((2, 12, 12), lambda b, h, i, j: 0 <= i - j < 6 and j < lens[b])
+    args = [bk.tensor(x, dtype) for x in (q, k, v)]
+    got, lse = multiattn.dot_product_attention(
+        *args, bk.tensor(lens), mask_mod=mods.sliding_window(6), block_size=4, return_lse=True
+    )
+    rounded = [bk.numpy(x).astype(np.float64) for x in args]
+    want = ref.dot_product_attention(*rounded, attention_mask=visible)[0]
+    want_lse, got_lse = reference_lse(rounded[0], rounded[1], visible), bk.numpy(lse).astype(np.float64)
+    assert ((got_lse == -np.inf) == (want_lse == -np.inf)).all(), "lse -inf exactly where nothing is visible"
+    seen = want_lse > -np.inf
+    if dtype == "float64":
+        assert_close(bk, got, want, dtype)
+        np.testing.assert_allclose(got_lse[seen], want_lse[seen], rtol=0, atol=1e-7)
+    else:  # within the rounding of a float32 score of -800: 800 * 2^-23 ~ 1e-4
+        np.testing.assert_allclose(bk.numpy(got).astype(np.float64), want, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(got_lse[seen], want_lse[seen], rtol=0, atol=1e-4)
 
 
 # -- the plan: what is skipped, what is masked ------------------------------------------------
@@ -272,21 +304,23 @@ def test_block_size_with_weights_is_an_error(bk):
         multiattn.dot_product_attention(q, q, q, return_lse=1)
 
 
-@pytest.mark.parametrize("programs", ["steps", "rows", "rows in parts"])
+@pytest.mark.parametrize("programs", ["steps", "rows", "a row a program", "rows in parts"])
 @pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
 def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkeypatch):
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
-    here at a small size, each step alone, each row of them as one program
-    (``Ops.compiled_rows``), or a row in programs of one step each, the state passed between
-    them (the scores budget holds one block), with gradients."""
+    here at a small size: each step alone; rows of them as programs (``Ops.compiled_rows``),
+    several rows to a program (here three: four rows make two programs) or one; or a row in
+    programs of one step each, the state passed between them (the scores budget holds one
+    block); with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_ROWS", {})
     monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(blockwise, "ROWS_PER_PROGRAM", 1 if programs == "a row a program" else 3)
     monkeypatch.setattr(bk.module.ops, "compiled_rows", programs != "steps")
     if programs == "rows in parts":
         monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 1)
     rng = np.random.default_rng(6)
-    B, Q, K = 2, 6, 7
+    B, Q, K = 2, 10, 7
     q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))
     lens, mask, causal = case(kind, B, Q, K, rng)
     t_lens, t_mask = tensors(bk, "float32", lens, mask)
@@ -300,6 +334,11 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
         ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0],
         "float32",
     )
+    grouped = [len(key[2]) for key in blockwise._ROWS if key[1] == "rows"]
+    if programs == "rows" and kind == "none":
+        assert sorted(grouped) == [1, 3], "four rows of three blocks: three in one program, then one"
+    if programs == "a row a program":
+        assert set(grouped) <= {1}
     if bk.module.vjp is not None:
         from .test_gradients import assert_gradients_close
 

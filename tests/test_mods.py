@@ -239,7 +239,8 @@ def test_ready_made_masks_skip_their_hidden_blocks_and_mask_only_partial_ones():
     assert own.kind(8, 12, 0, 4)[0] == blockwise.FULL
 
 
-def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch):
+@pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
+def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch, span_blocks):
     areas = []
     real, shape = bk.module.ops.matmul_t, bk.module.ops.shape
     monkeypatch.setattr(
@@ -249,10 +250,14 @@ def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch):
     )
     monkeypatch.setattr(blockwise, "_ROWS", {})
     monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(blockwise, "SPAN_BLOCKS", span_blocks)
     rng = np.random.default_rng(1)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")  # 36 blocks: not compiled
     out = multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)
-    assert areas == [16] * (6 + 5), "the 6 blocks on the diagonal and the 5 before them"
+    if span_blocks == 1:
+        assert areas == [16] * (6 + 5), "the 6 blocks on the diagonal and the 5 before them"
+    else:  # a row's two blocks as one span of 4 x 8 scores
+        assert areas == [16] + [32] * 5, "the first diagonal block, then each row's span of two blocks"
     x = bk.numpy(q).astype(np.float64)
     want = ref.dot_product_attention(x, x, x, attention_mask=ref.function_mask((1, 24, 24), _window(4)))[0]
     assert_close(bk, out, want, "float32")

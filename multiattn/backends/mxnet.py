@@ -61,6 +61,8 @@ class MxnetOps(Ops):
         return _matmul(a, b)
 
     def matmul_t(self, a, b):
+        if a.ndim == b.ndim >= 3 and a.shape[:-2] == b.shape[:-2] and a.dtype != onp.float16:
+            return npx.batch_dot(a, b, transpose_b=True)  # no copy of b transposed
         return _matmul(a, np.swapaxes(b, -1, -2))
 
     def tanh(self, x):
@@ -83,15 +85,17 @@ class MxnetOps(Ops):
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
-    def softmax_with_lse(self, x):
+    def softmax_with_lse(self, x, column=None):
         # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long
-        # sequences): lse = x_0 - log w_0, where every row's first weight is a normal number
-        # (else: w_0 underflows, or the row is NaN or all -inf; the block takes the formula)
-        w = npx.softmax(x, axis=-1)
-        x0, w0 = x[..., :1], w[..., :1]
-        if not bool((w0 > 1e-30).all()):
-            return None
-        return w, x0 - np.log(w0)
+        # sequences): lse = x_j - log w_j at a column j each row sees, or x_j - log_softmax(x)_j
+        # where w_j underflows (its log-softmax is some 4 ulp of lse less exact than log w_j)
+        w, log_w = npx.softmax(x, axis=-1), npx.log_softmax(x, axis=-1)
+        if column is None:
+            x_j, w_j, log_w_j = x[..., :1], w[..., :1], log_w[..., :1]
+        else:
+            x_j, w_j, log_w_j = (npx.pick(t, column, axis=-1, keepdims=True) for t in (x, w, log_w))
+        normal = w_j > float(onp.finfo(w_j.dtype).tiny)
+        return w, x_j - np.where(normal, np.log(np.where(normal, w_j, np.ones_like(w_j))), log_w_j)
 
     def _softmax_owned(self, x):
         # the weights take the scores' memory; not while autograd records (softmax's backward
