@@ -91,6 +91,7 @@ class Plan:
         self._visible: dict = {}  # ``visibility`` of a mask function alone, by its ``values_key``
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
+        self.n_keys = n_keys
         self.lengths = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
         if self.lengths is not None and self.lengths.dtype.kind == "f":  # a NaN length shows nothing
             self.lengths = self.lengths.copy()
@@ -131,6 +132,13 @@ class Plan:
             if known is None or not known[1]:
                 parts.append("mod")
         return (PARTIAL if parts else FULL), tuple(parts)
+
+    def key_range(self, q0: int, q1: int) -> Tuple[int, int]:
+        """Keys [lo, hi) outside which the mask function hides every key from the queries
+        [q0, q1) (``MaskFunction.key_range``); all keys where it does not tell."""
+        mod = self.masks.mask_mod
+        found = None if mod is None else mod.key_range(q0, q1)
+        return (0, self.n_keys) if found is None else found
 
     def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
         """(some key visible, every key) for the mask function over a block: from what it
@@ -308,6 +316,9 @@ def attention_in_blocks(
             else:  # the caller's scores, told where the block is
                 step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
             row.append((kind, step, tensors))
+        if row and compile_steps:  # the row's last step finishes it, compiled with it
+            kind, _, tensors = row[-1]
+            row[-1] = (kind, _step(ops, kind, True, finishing=True), tensors)
         length = _program_length(ops, q_block, row) if row and compile_rows else 0
         if row and len(row) <= length:  # a short row: several in one program, within its length
             if len(pending) == ROWS_PER_PROGRAM or sum(len(r) for _, r in pending) + len(row) > length:
@@ -318,7 +329,7 @@ def attention_in_blocks(
         found.extend(_run_rows(ops, pending))
         pending = []
         if row:
-            out, lse = _run_row(ops, q_block, row, compile_rows)
+            out, lse = _run_row(ops, q_block, row, compile_rows, finished=compile_steps)
         else:  # every key block hidden: nothing to attend to
             shape = tuple(ops.shape(q_block)[:-1])
             total = ops.zeros(shape + (1,), values)
@@ -341,7 +352,10 @@ def _spans(plan: Plan, q0: int, q1: int, key_blocks: list, keys: Tensor, values:
     step instead of several (a sliding window's band).  A compiler fuses each block's passes:
     there, the blocks stay (benchmarks/RESULTS.md)."""
     found = []
+    lo, hi = plan.key_range(q0, q1)
     for (k0, k1), kv in zip(plan.key_blocks, key_blocks):
+        if k1 <= lo or k0 >= hi:  # hidden, known without examining the block
+            continue
         kind, parts = plan.kind(q0, q1, k0, k1)
         if kind != SKIP:
             found.append(((k0, k1), kv, kind, parts))
@@ -370,15 +384,15 @@ COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not pa
 _ROWS: dict = {}
 
 
-def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool) -> Tuple[Tensor, Tensor]:
+def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool, finished: bool = False) -> Tuple[Tensor, Tensor]:
     """(output, lse) of one query block over its row of key blocks (not empty): step by step,
     or (compiled) in programs of the framework's compiler (``ops.compiled``: one dispatch each,
     and the compiler schedules their blocks), each of as many steps as keep their blocks of
     scores within the budget (XLA computes every block's scores before the softmax passes),
     made once per process for each sequence of step kinds (a causal row: its full blocks, then
-    the diagonal)."""
+    the diagonal).  finished: the row's last step finishes it (``_step``'s finishing)."""
     if not compiled:
-        return _row(ops, [step for _, step, _ in row], _counts(row), False, True, q, *_flat(row))
+        return _row(ops, [step for _, step, _ in row], _counts(row), False, not finished, q, *_flat(row))
     length = _program_length(ops, q, row)
     state: tuple = ()
     for start in range(0, len(row), length):
@@ -458,15 +472,20 @@ def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:
     return ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0), m + ops.log(total)
 
 
-def _step(ops: Ops, kind: Any, compiled: bool = False) -> Callable[..., Tuple[Tensor, ...]]:
+def _step(ops: Ops, kind: Any, compiled: bool = False, finishing: bool = False) -> Callable[..., tuple]:
     """The dot-product step of a kind, through the framework's compiler if compiled, made once
-    per process."""
-    key = (id(ops), kind, compiled)
+    per process; finishing: a row's last, returning (output, lse) (``_finish`` compiled with it)."""
+    key = (id(ops), kind, compiled, finishing)
     found = _STEPS.get(key)
     if found is None or found[0] is not ops:
         step = _made(ops, kind, functools.partial(heads.matmul_t, ops))
+        step = functools.partial(_finishing, ops, step) if finishing else step
         found = _STEPS[key] = (ops, ops.compiled(step) if compiled else step)
     return found[1]
+
+
+def _finishing(ops: Ops, step: Callable[..., tuple], *tensors: Tensor) -> Tuple[Tensor, Tensor]:
+    return _finish(ops, step(*tensors))
 
 
 _STEPS: dict = {}

@@ -103,6 +103,11 @@ class MaskFunction:
         whole (a power of two), for the automatic block size to stay at or below; None: any."""
         return None
 
+    def key_range(self, q0: int, q1: int) -> Optional[Tuple[int, int]]:
+        """Keys [lo, hi) outside which no query of [q0, q1) sees any, known on the host, for
+        the plan to leave the other blocks unexamined; None: any key may be seen."""
+        return None
+
 
 class _UserMask(MaskFunction):
     def __init__(self, fn: Callable[..., Tensor]) -> None:
@@ -197,6 +202,9 @@ class sliding_window(MaskFunction):
         q0, q1, k0, k1 = block
         return q0 - k0, q1 - q0, k1 - k0  # the band depends on i - j alone
 
+    def key_range(self, q0, q1):
+        return max(q0 - self.w + 1, 0), q1
+
     def block_side(self, ops):
         # half the width: three blocks per row of blocks, the middle one whole; where steps are
         # costly, the width: two, the band's triangles (benchmarks/RESULTS.md, 2026-12-04)
@@ -227,6 +235,9 @@ class prefix_lm(MaskFunction):
         some = k0 <= q1 - 1 or k0 < hi
         # a key hidden from some query: j > i and j >= n for some j in [k0, k1), i in [q0, q1)
         return some, not (max(k0, lo, q0 + 1) < k1)
+
+    def key_range(self, q0, q1):
+        return 0, max(q1, int(self.n.max()))
 
     def __repr__(self) -> str:
         return f"prefix_lm({self.n.tolist()!r})"
@@ -330,6 +341,12 @@ class and_masks(MaskFunction):
         sides = [side for side in (fn.block_side(ops) for fn in self.fns) if side is not None]
         return min(sides) if sides else None
 
+    def key_range(self, q0, q1):
+        ranges = [r for r in (fn.key_range(q0, q1) for fn in self.fns) if r is not None]
+        if not ranges:
+            return None
+        return max(lo for lo, _ in ranges), min(hi for _, hi in ranges)
+
     def __repr__(self) -> str:
         return f"and_masks({', '.join(map(repr, self.fns))})"
 
@@ -370,6 +387,12 @@ class or_masks(MaskFunction):
             return None
 
         return classify
+
+    def key_range(self, q0, q1):
+        ranges = [fn.key_range(q0, q1) for fn in self.fns]
+        if any(r is None for r in ranges):
+            return None
+        return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)
 
     def __repr__(self) -> str:
         return f"or_masks({', '.join(map(repr, self.fns))})"

@@ -239,6 +239,26 @@ def test_ready_made_masks_skip_their_hidden_blocks_and_mask_only_partial_ones():
     assert own.kind(8, 12, 0, 4)[0] == blockwise.FULL
 
 
+def test_key_ranges_hold_every_key_a_block_of_queries_sees():
+    """``MaskFunction.key_range``: the plan leaves blocks outside it unexamined, so every
+    visible key must lie inside it."""
+    n, prefix = np.array([3, 9]), np.array([3, 9])
+    cases = [
+        (mods.sliding_window(4), _window(4)),
+        (mods.prefix_lm(prefix), _prefix(prefix)),
+        (mods.and_masks(mods.sliding_window(5), mods.prefix_lm(n)), lambda b, h, i, j: _window(5)(b, h, i, j) and _prefix(n)(b, h, i, j)),
+        (mods.or_masks(mods.sliding_window(2), mods.prefix_lm(n)), lambda b, h, i, j: _window(2)(b, h, i, j) or _prefix(n)(b, h, i, j)),
+    ]  # fmt: skip
+    for fn, formula in cases:
+        for q0 in range(0, 20, 3):
+            q1 = q0 + 3
+            lo, hi = fn.key_range(q0, q1)
+            seen = [j for b in range(2) for i in range(q0, q1) for j in range(20) if formula(b, 0, i, j)]
+            assert seen and lo <= min(seen) and max(seen) < hi, (fn, q0, lo, hi)
+    assert mods.or_masks(mods.sliding_window(2), mods.document(IDS)).key_range(0, 3) is None
+    assert mods.document(IDS).key_range(0, 3) is None
+
+
 @pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
 def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch, span_blocks):
     areas = []
