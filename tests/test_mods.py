@@ -242,13 +242,19 @@ def test_ready_made_masks_skip_their_hidden_blocks_and_mask_only_partial_ones():
 def test_key_ranges_hold_every_key_a_block_of_queries_sees():
     """``MaskFunction.key_range``: the plan leaves blocks outside it unexamined, so every
     visible key must lie inside it."""
-    n, prefix = np.array([3, 9]), np.array([3, 9])
+    n = prefix = np.array([3, 9])
     cases = [
         (mods.sliding_window(4), _window(4)),
         (mods.prefix_lm(prefix), _prefix(prefix)),
-        (mods.and_masks(mods.sliding_window(5), mods.prefix_lm(n)), lambda b, h, i, j: _window(5)(b, h, i, j) and _prefix(n)(b, h, i, j)),
-        (mods.or_masks(mods.sliding_window(2), mods.prefix_lm(n)), lambda b, h, i, j: _window(2)(b, h, i, j) or _prefix(n)(b, h, i, j)),
-    ]  # fmt: skip
+        (
+            mods.and_masks(mods.sliding_window(5), mods.prefix_lm(n)),
+            lambda b, h, i, j: _window(5)(b, h, i, j) and _prefix(n)(b, h, i, j),
+        ),
+        (
+            mods.or_masks(mods.sliding_window(2), mods.prefix_lm(n)),
+            lambda b, h, i, j: _window(2)(b, h, i, j) or _prefix(n)(b, h, i, j),
+        ),
+    ]
     for fn, formula in cases:
         for q0 in range(0, 20, 3):
             q1 = q0 + 3
