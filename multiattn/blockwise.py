@@ -140,6 +140,23 @@ class Plan:
         found = None if mod is None else mod.key_range(q0, q1)
         return (0, self.n_keys) if found is None else found
 
+    def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
+        """For a PARTIAL square block with a quarter off its diagonal hidden entirely (a
+        sliding window's band), the key columns each half of its queries needs, ((c0, c1) of
+        the first half, of the second), relative to k0; else None.  Not where a mask
+        function's quarters would have to be evaluated to be known."""
+        side = q1 - q0
+        if side < 2 or k1 - k0 != side:
+            return None
+        if self.masks.mask_mod is not None and self._classify((q0, q1, k0, k1)) is None:
+            return None
+        half = side // 2
+        if self.kind(q0, q0 + half, k0 + half, k1)[0] == SKIP:
+            return (0, half), (0, side)
+        if self.kind(q0 + half, q1, k0, k0 + half)[0] == SKIP:
+            return (0, side), (half, side)
+        return None
+
     def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
         """(some key visible, every key) for the mask function over a block: from what it
         knows, else from its booleans read on the host (kept for ``visibility``), else None."""
@@ -199,8 +216,9 @@ class Plan:
     def hidden_by_bias(self, seen: Tensor, q_block: Tensor, k_block: Tensor) -> Optional[tuple]:
         """A partial block's mask as ``ops.softmax_with_lse`` takes it: (bias: 0 where seen,
         ``HIDDEN`` where not, in the scores' shape; column: a key each row sees, any where it
-        sees none; row_bias: 0, or -inf for a row that sees none), made once for each mask
-        (a window's blocks share theirs); None where the mask cannot be read on the host."""
+        sees none; row_bias: 0, or -inf for a row that sees none), kept for a mask blocks
+        share (a window's: ``visibility``), not for the others (a block of scores each); None
+        where the mask cannot be read on the host."""
         found = self._biases.get(id(seen))
         if found is not None and found[0] is seen:
             return found[1]
@@ -215,7 +233,8 @@ class Plan:
             ops.constant(host.argmax(-1), q_block),  # the first key each row sees
             ops.where(sees, ops.zeros(ops.shape(sees), q_block), NEG_INF),
         )
-        self._biases[id(seen)] = (seen, made)  # seen held: its id is not reused while kept
+        if any(seen is shared for shared in self._visible.values()):  # blocks alike: kept
+            self._biases[id(seen)] = (seen, made)  # seen held: its id is not reused while kept
         return made
 
     def split(self, x: Tensor, blocks: List[Tuple[int, int]]) -> List[Tensor]:
@@ -253,6 +272,9 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
 ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
 DIAGONAL = "diagonal"  # a causal block on the diagonal, in two halves (``_diagonal``)
 PARTIAL_FINITE = "partial, finite values"  # a partial block whose values need no masking
+# (HALVES, the key columns of each half of the queries, mask the values?): where each step is a
+# program of its own (jax), a partial block's hidden quarter is left out at no dispatch's cost
+HALVES = "halves"
 # through the framework's fused softmax (``Ops.softmax_with_lse``), where the scores are bounded
 FULL_FUSED, PARTIAL_FUSED = "full, fused softmax", "partial, fused softmax"
 
@@ -292,6 +314,7 @@ def attention_in_blocks(
     finite_values = known_finite(ops, values)  # then no hidden value can reach an output as 0 * NaN
     fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
     merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
+    jitted_steps = compile_steps and not merge  # each step a program of the compiler's
     found: list = []  # (output, lse) of each query block in turn
     pending: list = []  # (query block, row) for one compiled program of rows (``_run_rows``)
     for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
@@ -311,6 +334,8 @@ def attention_in_blocks(
                 else:
                     tensors += (seen,)
                     kind = PARTIAL_FINITE if finite_values else PARTIAL
+                    halves = plan.halves(q0, q1, k0, k1) if jitted_steps else None
+                    kind = kind if halves is None else (HALVES, halves, kind == PARTIAL)
             if score is None:
                 step = _step(ops, kind, compile_steps)
             else:  # the caller's scores, told where the block is
@@ -410,7 +435,8 @@ def _program_length(ops: Ops, q: Tensor, row: list) -> int:
     """How many of a row's steps one compiled program takes: their blocks of scores within
     the budget (XLA computes every block's scores before the softmax passes)."""
     side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
-    scores = math.prod(ops.shape(q)[:-2]) * side * side * 4  # one block of scores
+    itemsize = 8 if ops.lowest(q) < -1e300 else 4  # q is widened: float32 or float64
+    scores = math.prod(ops.shape(q)[:-2]) * side * side * itemsize  # one block of scores
     return max(SCORES_BUDGET_BYTES // scores, 1)
 
 
@@ -508,7 +534,10 @@ def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) ->
         return functools.partial(_partial_fused, ops, score)
     if kind in (PARTIAL, PARTIAL_FINITE):
         return functools.partial(_partial, ops, score, kind == PARTIAL)
-    return functools.partial(_diagonal, ops, at)
+    if kind == DIAGONAL:
+        return functools.partial(_diagonal, ops, at)
+    _, columns, mask_values = kind
+    return functools.partial(_halves, ops, at, columns, mask_values)
 
 
 def _full(ops, score, q, k, v, *state):
@@ -549,6 +578,21 @@ def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, 
         s = score_at(r0, r1, 0, width)(rows(q, r0, r1), rows(k, 0, width))
         part = tuple(rows(x, r0, r1) for x in state) or None
         found.append(_online(ops, _masked(ops, s, seen[r0:r1, :width]), rows(v, 0, width), part))
+    return tuple(ops.concat(halves, -2) for halves in zip(*found))
+
+
+def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen, *state) -> tuple:
+    """A partial square block whose queries' halves each need only some of its keys (a quarter
+    off the diagonal hidden entirely, ``Plan.halves``): each half against its columns, masked;
+    the hidden quarter is never computed."""
+    side = ops.shape(q)[-2]
+    found = []
+    for (r0, r1), (c0, c1) in zip(((0, side // 2), (side // 2, side)), columns):
+        s = score_at(r0, r1, c0, c1)(rows(q, r0, r1), rows(k, c0, c1))
+        part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
+        part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
+        part = tuple(rows(x, r0, r1) for x in state) or None
+        found.append(_online(ops, _masked(ops, s, part_seen), part_v, part))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 

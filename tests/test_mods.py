@@ -239,6 +239,33 @@ def test_ready_made_masks_skip_their_hidden_blocks_and_mask_only_partial_ones():
     assert own.kind(8, 12, 0, 4)[0] == blockwise.FULL
 
 
+def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypatch):
+    """Where each block step is a compiled program (jax), a window's partial blocks run as
+    two halves of their queries, each against the keys it may see (``Plan.halves``)."""
+    areas = []
+    real, shape = bk.module.ops.matmul_t, bk.module.ops.shape
+    monkeypatch.setattr(
+        type(bk.module.ops),
+        "matmul_t",
+        lambda self, a, b: areas.append(shape(a)[-2] * shape(b)[-2]) or real(a, b),
+    )
+    monkeypatch.setattr(blockwise, "_ROWS", {})
+    monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
+    monkeypatch.setattr(blockwise, "_has_compiler", lambda ops: True)
+    monkeypatch.setattr(bk.module.ops, "compiled_rows", False)
+    monkeypatch.setattr(bk.module.ops, "softmax_with_lse", None)  # mxnet's fused path aside
+    rng = np.random.default_rng(2)
+    q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")
+    out = multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)
+    x = bk.numpy(q).astype(np.float64)
+    want = ref.dot_product_attention(x, x, x, attention_mask=ref.function_mask((1, 24, 24), _window(4)))[0]
+    assert_close(bk, out, want, "float32")
+    if bk.name not in ("jax", "tensorflow"):  # their steps are traced once: the areas once each
+        # the first row's diagonal block, then per row the band's two triangles, each 2x2 + 2x4
+        assert areas == [4, 8] + [8, 4, 4, 8] * 5
+
+
 def test_key_ranges_hold_every_key_a_block_of_queries_sees():
     """``MaskFunction.key_range``: the plan leaves blocks outside it unexamined, so every
     visible key must lie inside it."""
