@@ -433,13 +433,16 @@ def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool, finished: bool = Fa
 
 def _program_length(ops: Ops, q: Tensor, row: list) -> int:
     """How many of a row's steps one compiled program takes: their blocks of scores within
-    the budget (XLA computes every block's scores before the softmax passes)."""
+    ``PROGRAM_BUDGET_BYTES`` (XLA computes every block's scores before the softmax passes)."""
     side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
     itemsize = 8 if ops.lowest(q) < -1e300 else 4  # q is widened: float32 or float64
     scores = math.prod(ops.shape(q)[:-2]) * side * side * itemsize  # one block of scores
-    return max(SCORES_BUDGET_BYTES // scores, 1)
+    return max(PROGRAM_BUDGET_BYTES // scores, 1)
 
 
+# half the scores budget: a program's scores and their exponentials exist at once, and a first
+# call also compiles a program for each layout of its rows (benchmarks/RESULTS.md, 2026-12-05)
+PROGRAM_BUDGET_BYTES = SCORES_BUDGET_BYTES // 2
 ROWS_PER_PROGRAM = int(os.environ.get("MULTIATTN_ROWS_PER_PROGRAM", 8))
 
 

@@ -226,7 +226,7 @@ class Primitives:
     costly_steps: bool = False
 
     # whether ``compiled`` takes a row of block steps (a query block over its key blocks) as
-    # programs of several steps each (as many as the scores budget holds), or each step alone
+    # programs of several steps each (as many as half the scores budget holds), or each step alone
     # (where the compiler schedules a longer program worse)
     compiled_rows: bool = False
 

@@ -310,7 +310,7 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
     here at a small size: each step alone; rows of them as programs (``Ops.compiled_rows``),
     several rows to a program (here three: four rows make two programs) or one; or a row in
-    programs of one step each, the state passed between them (the scores budget holds one
+    programs of one step each, the state passed between them (a program's budget holds one
     block); with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_ROWS", {})
@@ -318,7 +318,7 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
     monkeypatch.setattr(blockwise, "ROWS_PER_PROGRAM", 1 if programs == "a row a program" else 3)
     monkeypatch.setattr(bk.module.ops, "compiled_rows", programs != "steps")
     if programs == "rows in parts":
-        monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 1)
+        monkeypatch.setattr(blockwise, "PROGRAM_BUDGET_BYTES", 1)
     rng = np.random.default_rng(6)
     B, Q, K = 2, 10, 7
     q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))
