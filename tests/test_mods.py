@@ -239,9 +239,9 @@ def test_ready_made_masks_skip_their_hidden_blocks_and_mask_only_partial_ones():
     assert own.kind(8, 12, 0, 4)[0] == blockwise.FULL
 
 
-def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypatch):
-    """Where each block step is a compiled program (jax), a window's partial blocks run as
-    two halves of their queries, each against the keys it may see (``Plan.halves``)."""
+def _score_areas(bk, monkeypatch):
+    """The list that each q k^T product's area (queries x keys) will be appended to; the
+    compiled steps made afresh."""
     areas = []
     real, shape = bk.module.ops.matmul_t, bk.module.ops.shape
     monkeypatch.setattr(
@@ -251,6 +251,13 @@ def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypat
     )
     monkeypatch.setattr(blockwise, "_ROWS", {})
     monkeypatch.setattr(blockwise, "_STEPS", {})
+    return areas
+
+
+def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypatch):
+    """Where each block step is a compiled program (jax), a window's partial blocks run as
+    two halves of their queries, each against the keys it may see (``Plan.halves``)."""
+    areas = _score_areas(bk, monkeypatch)
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_has_compiler", lambda ops: True)
     monkeypatch.setattr(bk.module.ops, "compiled_rows", False)
@@ -294,15 +301,7 @@ def test_key_ranges_hold_every_key_a_block_of_queries_sees():
 
 @pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
 def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch, span_blocks):
-    areas = []
-    real, shape = bk.module.ops.matmul_t, bk.module.ops.shape
-    monkeypatch.setattr(
-        type(bk.module.ops),
-        "matmul_t",
-        lambda self, a, b: areas.append(shape(a)[-2] * shape(b)[-2]) or real(a, b),
-    )
-    monkeypatch.setattr(blockwise, "_ROWS", {})
-    monkeypatch.setattr(blockwise, "_STEPS", {})
+    areas = _score_areas(bk, monkeypatch)
     monkeypatch.setattr(blockwise, "SPAN_BLOCKS", span_blocks)
     rng = np.random.default_rng(1)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")  # 36 blocks: not compiled
