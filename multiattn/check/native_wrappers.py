@@ -38,6 +38,7 @@ A size a native layer cannot take is a row with status ``unsupported: <why>``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import sys
@@ -192,14 +193,16 @@ def _torch_sdpa() -> Callable:
     return fn
 
 
-def _torch_flex() -> Callable:
+def _torch_flex(compiled: bool = False) -> Callable:
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, window=None,
            documents=None, softcap=None):  # fmt: skip
         if torch.is_grad_enabled() and any(t.requires_grad for t in (queries, keys, values)):
-            raise Unsupported("flex_attention has no backward on CPU without torch.compile")
+            raise Unsupported(f"flex_attention has no backward on CPU {COMPILED_FLEX_GRAD[compiled]}")
+        if compiled and queries.dtype == torch.float64:
+            raise Unsupported("compiled, FlexAttention's CPU kernel takes float32, float16 and bfloat16")
         (B, Q, _), K = queries.shape, keys.shape[1]
         allowed = visible(_numpy(valid_lens), _numpy(attention_mask), causal, B, Q, K)
         shown = None if allowed is None else torch.from_numpy(allowed)
@@ -219,11 +222,18 @@ def _torch_flex() -> Callable:
         block_mask = create_block_mask(mask_mod, B, 1, Q, K, device="cpu") if masked else None
         score_mod = None if softcap is None else (lambda s, b, h, q, k: softcap * torch.tanh(s / softcap))
         head = [x[:, None] for x in (queries, keys, values)]  # (batch, 1 head, seq, width)
+        attend = flex_attention
+        if compiled:  # each case's functions are new: compiled afresh, clear of dynamo's recompile limit
+            torch._dynamo.reset()
+            attend = torch.compile(flex_attention)
         with warnings.catch_warnings():  # its advice to compile, on every eager call
             warnings.filterwarnings("ignore", message=".*flex_attention.*", category=UserWarning)
-            return flex_attention(*head, score_mod=score_mod, block_mask=block_mask)[:, 0]
+            return attend(*head, score_mod=score_mod, block_mask=block_mask)[:, 0]
 
     return fn
+
+
+COMPILED_FLEX_GRAD = {False: "without torch.compile", True: "even compiled"}
 
 
 def _heads_by_hand(framework: str, attend: Callable) -> Callable:
@@ -539,6 +549,14 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         "one `mask_mod` through `create_block_mask` (lengths AND mask AND causality as a lookup of their "
         "boolean mask, the window and the documents as their formulas), soft-capping as its `score_mod`; "
         "values only: eager flex_attention has no backward on CPU (it asks for `torch.compile`)",
+    ),
+    Implementation(
+        "torch.nn.attention.flex_attention (torch.compile)",
+        "torch",
+        "dot_product",
+        functools.partial(_torch_flex, compiled=True),
+        "as the eager row, through `torch.compile(flex_attention)` (inductor), compiled afresh for each "
+        "case (its CPU kernel refuses float64); values only: no backward on CPU, compiled or not",
     ),
     Implementation(
         "torch.nn.functional.scaled_dot_product_attention (enable_gqa=True)",
