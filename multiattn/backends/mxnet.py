@@ -88,7 +88,7 @@ class MxnetOps(Ops):
     def softmax_with_lse(self, x, column=None):
         # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long
         # sequences): lse = x_j - log w_j at a column j each row sees, or x_j - log_softmax(x)_j
-        # where w_j underflows (its log-softmax is some 4 ulp of lse less exact than log w_j)
+        # where w_j underflows (its log-softmax is a few ulp of lse less exact than log w_j)
         w, log_w = npx.softmax(x, axis=-1), npx.log_softmax(x, axis=-1)
         if column is None:
             x_j, w_j, log_w_j = x[..., :1], w[..., :1], log_w[..., :1]

@@ -240,7 +240,7 @@ def to_numpy(tensor: Any) -> np.ndarray:
 class _Concrete:
     """A tf.function called through its concrete function per input signature: tf.function's
     own dispatch (matching the arguments to a trace) costs a millisecond per call, and the
-    concrete function's own binding of structured arguments some 10 us per tensor, which
+    concrete function's own binding of structured arguments costs a little per tensor, which
     its flat call (``_call_flat``, where this version of tensorflow has it) does not pay."""
 
     def __init__(self, function):
