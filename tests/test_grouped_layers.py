@@ -1,15 +1,13 @@
 """Grouped-query attention in every framework's MultiHeadAttention (``num_kv_heads``) and its
 converters: the weights' shapes, the outputs against the functional API and against plain
-multi-head attention with each key/value head repeated for its query heads, copies and each
-framework's save/load keeping num_kv_heads, bad values refused, and the native layers:
+multi-head attention with each key/value head repeated for its query heads, Keras' config and
+model files keeping num_kv_heads (copies and each framework's save/load: test_saving.py), bad
+values refused, and the native layers:
 Keras' GroupQueryAttention and flax's nnx.MultiHeadAttention(num_kv_heads=...) both ways, the
 layers without grouped-query attention (torch, paddle, mlx, Keras' MultiHeadAttention) refusing.
 """
 
 from __future__ import annotations
-
-import copy
-import pickle
 
 import numpy as np
 import pytest
@@ -125,61 +123,16 @@ def test_num_kv_heads_is_keyword_only(bk):
         bk.module.MultiHeadAttention(HIDDENS, HEADS, 0.0, False, 2)
 
 
-# --- copies and each framework's save and load --------------------------------------------
-
-
-@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("kv_heads", KV_HEADS)
-def test_copies_of_grouped_layers_keep_num_kv_heads_and_outputs(bk, kv_heads, how):
-    # float32: mlx pickles float64 arrays as float32 (its own limit, nothing of num_kv_heads)
-    layer = _grouped(bk, kv_heads, dtype="float32")
-    args = _inputs(bk, "float32")
-    out = bk.numpy(bk.call(layer, *args))
-    twin = copy.deepcopy(layer) if how == "deepcopy" else pickle.loads(pickle.dumps(layer))
-    assert twin.num_kv_heads == kv_heads
-    np.testing.assert_array_equal(bk.numpy(bk.call(twin, *args)), out)
-    for name, value in layer.get_weights().items():
-        np.testing.assert_array_equal(twin.get_weights()[name], value, err_msg=name)
-
-
-def _round_trip(bk, save, load, kv_heads=2):
-    """A grouped layer saved the framework's way and loaded into a fresh grouped one: the same
-    canonical weights and outputs (float32, every framework's default)."""
-    layer = _grouped(bk, kv_heads, dtype="float32")
-    fresh = bk.multi_head(HIDDENS, HEADS, bias=True, num_kv_heads=kv_heads, **SIZES)
-    args = _inputs(bk, "float32")
-    want = bk.numpy(bk.call(layer, *args))
-    assert np.abs(bk.numpy(bk.call(fresh, *args)) - want).max() > 1e-3  # fresh differs before loading
-    fresh = load(fresh, save(layer)) or fresh
-    assert fresh.num_kv_heads == kv_heads
-    for name, value in layer.get_weights().items():
-        np.testing.assert_array_equal(fresh.get_weights()[name], value, err_msg=name)
-    np.testing.assert_array_equal(bk.numpy(bk.call(fresh, *args)), want)
-
-
-@pytest.mark.backend("torch")
-def test_torch_state_dict_and_torch_save_of_grouped_layers(tmp_path):
-    import torch
-
-    bk = harness("torch")
-    _round_trip(
-        bk, lambda layer: layer.state_dict(), lambda fresh, state: fresh.load_state_dict(state) and None
-    )
-    path = tmp_path / "layer.pt"
-    _round_trip(
-        bk, lambda layer: torch.save(layer, path), lambda _, __: bk.eval(torch.load(path, weights_only=False))
-    )
+# --- Keras' config and model files ------------------------------------------------------
 
 
 @pytest.mark.backend("tensorflow")
-def test_keras_config_weight_lists_and_model_files_of_grouped_layers(tmp_path):
+def test_keras_config_and_model_files_of_grouped_layers(tmp_path):
     import keras
 
     from multiattn.backends import tensorflow as m
 
-    bk = harness("tensorflow")
-    _round_trip(bk, lambda layer: layer.get_weights(format="keras"), lambda fresh, w: fresh.set_weights(w))
-    layer = _grouped(bk, 1, dtype="float32")
+    layer = _grouped(harness("tensorflow"), 1, dtype="float32")
     config = layer.get_config()
     assert config["num_kv_heads"] == 1
     twin = m.MultiHeadAttention.from_config(config)
@@ -197,49 +150,6 @@ def test_keras_config_weight_lists_and_model_files_of_grouped_layers(tmp_path):
     assert twin.num_kv_heads == 1
     for name, value in layer.get_weights().items():
         np.testing.assert_array_equal(twin.get_weights()[name], value, err_msg=name)
-
-
-@pytest.mark.backend("jax")
-def test_nnx_state_and_update_of_grouped_layers():
-    from flax import nnx
-
-    _round_trip(
-        harness("jax"),
-        lambda layer: nnx.state(layer, nnx.Param),
-        lambda fresh, state: nnx.update(fresh, state),
-    )
-
-
-@pytest.mark.backend("paddle")
-def test_paddle_save_and_set_state_dict_of_grouped_layers(tmp_path):
-    import paddle
-
-    path = str(tmp_path / "layer.pdparams")
-    _round_trip(
-        harness("paddle"),
-        lambda layer: paddle.save(layer.state_dict(), path),
-        lambda fresh, _: fresh.set_state_dict(paddle.load(path)) and None,
-    )
-
-
-@pytest.mark.backend("mlx")
-def test_mlx_save_weights_and_load_weights_of_grouped_layers(tmp_path):
-    path = str(tmp_path / "layer.safetensors")
-    _round_trip(
-        harness("mlx"),
-        lambda layer: layer.save_weights(path),
-        lambda fresh, _: fresh.load_weights(path) and None,
-    )
-
-
-@pytest.mark.backend("mxnet")
-def test_gluon_save_parameters_and_load_parameters_of_grouped_layers(tmp_path):
-    path = str(tmp_path / "layer.params")
-    _round_trip(
-        harness("mxnet"),
-        lambda layer: layer.save_parameters(path),
-        lambda fresh, _: fresh.load_parameters(path),
-    )
 
 
 # --- the converters, framework-free ------------------------------------------------------

@@ -1,5 +1,6 @@
 """Each layer survives its framework's copy and save idioms after a forward call: copy.deepcopy
-and pickle everywhere, Keras model.save/load_model; the copy gives the same outputs."""
+and pickle everywhere, Keras model.save/load_model; the copy gives the same outputs.  Grouped
+layers (num_kv_heads 2 and 1) among them: copies and loads keep num_kv_heads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from .test_worked_example import example
 
 EXAMPLE_ADDITIVE = 20  # the books' query width for additive attention
+KV_HEADS = {"grouped": 2, "multi_query": 1}  # key/value heads of 4 query heads of width 2
 
 pytestmark = pytest.mark.layers
 
@@ -21,11 +23,18 @@ def _layer(bk, kind):
         return bk.additive(2, EXAMPLE_ADDITIVE, 8)
     if kind == "multi_head":
         return bk.multi_head(8, 2, bias=True, query_size=EXAMPLE_ADDITIVE, key_size=2, value_size=4)
+    if kind in KV_HEADS:
+        return _grouped(bk, KV_HEADS[kind])
     return bk.dot()
 
 
+def _grouped(bk, kv_heads, **weights):
+    sizes = dict(query_size=EXAMPLE_ADDITIVE, key_size=2, value_size=4)
+    return bk.multi_head(8, 4, bias=True, num_kv_heads=kv_heads, **sizes, **weights)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle"])
-@pytest.mark.parametrize("kind", ["additive", "dot", "multi_head"])
+@pytest.mark.parametrize("kind", ["additive", "dot", "multi_head", *KV_HEADS])
 def test_copies_after_a_forward_call_give_the_same_outputs(bk, kind, how):
     q, k, v, lens = example(bk, query_size=2 if kind == "dot" else EXAMPLE_ADDITIVE)
     layer = _layer(bk, kind)
@@ -34,6 +43,8 @@ def test_copies_after_a_forward_call_give_the_same_outputs(bk, kind, how):
     if twin.attention_weights is not None:  # Keras rebuilds a copy from its config and weights
         np.testing.assert_array_equal(bk.numpy(twin.attention_weights), bk.numpy(layer.attention_weights))
     np.testing.assert_array_equal(bk.numpy(bk.call(twin, q, k, v, lens)), out)
+    if kind in KV_HEADS:
+        assert twin.num_kv_heads == layer.num_kv_heads == KV_HEADS[kind]
     if kind != "dot":
         for name, value in layer.get_weights().items():
             np.testing.assert_array_equal(twin.get_weights()[name], value)
@@ -68,13 +79,15 @@ def _example_args(bk):
 
 
 def _round_trip(bk, save, load):
-    """A trained-looking layer (additive, and multi-head with biases) saved the framework's way
-    and loaded into a fresh one: the same canonical weights and outputs."""
+    """A trained-looking layer (additive, multi-head with biases, grouped-query with two
+    key/value heads of four) saved the framework's way and loaded into a fresh one: the same
+    num_kv_heads, canonical weights and outputs."""
     args = _example_args(bk)
     rng = np.random.default_rng(5)
     additive = {"W_q": rng.normal(size=(8, 20)), "W_k": rng.normal(size=(8, 2)), "w_v": rng.normal(size=(8,))}
     multi_head = {"W_q": (8, 20), "W_k": (8, 2), "W_v": (8, 4), "W_o": (8, 8)}
     multi_head.update({f"b_{n}": (8,) for n in "qkvo"})
+    grouped = dict(multi_head, W_k=(4, 2), W_v=(4, 4), b_k=(4,), b_v=(4,))
     sizes = dict(query_size=EXAMPLE_ADDITIVE, key_size=2, value_size=4)
     for make, weights in (
         (lambda **w: bk.additive(2, EXAMPLE_ADDITIVE, 8, **w), additive),
@@ -82,10 +95,14 @@ def _round_trip(bk, save, load):
             lambda **w: bk.multi_head(8, 2, bias=True, **sizes, **w),
             {n: rng.normal(size=s) for n, s in multi_head.items()},
         ),
+        (lambda **w: _grouped(bk, 2, **w), {n: rng.normal(size=s) for n, s in grouped.items()}),
     ):
         layer, fresh = make(weights=weights), make()
         want = bk.numpy(bk.call(layer, *args))
+        before = fresh.get_weights()
+        assert any(not np.array_equal(before[n], w) for n, w in layer.get_weights().items())  # fresh differs
         fresh = load(fresh, save(layer)) or fresh
+        assert getattr(fresh, "num_kv_heads", None) == getattr(layer, "num_kv_heads", None)
         for name, value in layer.get_weights().items():
             np.testing.assert_array_equal(fresh.get_weights()[name], value)
         np.testing.assert_array_equal(bk.numpy(bk.call(fresh, *args)), want)
