@@ -485,6 +485,40 @@ def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch
 
 
 @pytest.mark.backend("mlx")
+def test_mlx_blocks_stay_lazy_only_in_the_thread_running_a_custom_vjp(monkeypatch):
+    # a backward holds each array it evaluates to its end, so it settles nothing; a forward in
+    # another thread meanwhile still evaluates its blocks one by one
+    import threading
+
+    import mlx.core as mx
+
+    from multiattn.backends import mlx as m
+
+    evaluated = []
+    monkeypatch.setattr(mx, "eval", lambda *a: evaluated.append(threading.get_ident()))
+    inside, other = threading.Event(), threading.Event()
+
+    def backward(tensors, constants, outputs, cotangents):
+        m.ops.settle(tensors[0])
+        inside.set()
+        assert other.wait(10)
+        return tuple(mx.zeros_like(t) for t in tensors)
+
+    def in_other_thread():
+        assert inside.wait(10)
+        m.ops.settle(mx.ones(3))
+        other.set()
+
+    worker = threading.Thread(target=in_other_thread)
+    worker.start()
+    x = mx.ones(3)
+    grad = mx.grad(lambda x: m.ops.custom_gradient(lambda x: (x * 2,), backward, (x,))[0].sum())
+    np.testing.assert_array_equal(np.array(grad(x)), [0, 0, 0])
+    worker.join()
+    assert evaluated == [worker.ident]
+
+
+@pytest.mark.backend("mlx")
 def test_mlx_modules_lazy_eval_and_value_and_grad():
     import mlx.core as mx
     import mlx.nn as nn

@@ -9,6 +9,7 @@ float32-accurate even in float64; the README gives the tolerances.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -21,6 +22,9 @@ from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
+
+
+_lazy = threading.local()  # depth: this thread's custom vjps running (another thread's stay eager)
 
 
 class MlxOps(NumpyLikeOps):
@@ -58,11 +62,11 @@ class MlxOps(NumpyLikeOps):
 
         @function.vjp
         def _(primals, cotangents, outputs):
-            self._in_backward += 1
+            _lazy.depth = getattr(_lazy, "depth", 0) + 1
             try:
                 grads = backward(tuple(primals[:n]), tuple(primals[n:]), tuple(outputs), tuple(cotangents))
             finally:
-                self._in_backward -= 1
+                _lazy.depth -= 1
             # zeros, not None: mlx would hand a None's place a wrong gradient
             return (*grads, *(mx.zeros_like(c) for c in primals[n:]))
 
@@ -74,10 +78,8 @@ class MlxOps(NumpyLikeOps):
         except ValueError:  # mx.compile and mx.vmap refuse the eval: values unknown there
             return None
 
-    _in_backward = 0  # inside a custom vjp an array evaluated is held to its end: stay lazy there
-
     def settle(self, x):
-        if self._in_backward:
+        if getattr(_lazy, "depth", 0):  # inside a custom vjp an array evaluated is held to its end
             return
         # mlx is lazy: without this one graph holds every additive block's features at once.
         # mx.eval is refused inside mx.compile and mx.vmap: there the blocks stay lazy.
