@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, NamedTuple, Optional
 
 from . import blockwise, core
 from .masks import Masks
@@ -209,35 +209,123 @@ def attention_over_spans(
     block_size: int,
 ) -> tuple[Tensor, None]:
     """(output, None) of ``core.dot_product_attention`` by a framework's fused kernel,
-    ``kernel(queries, keys, values, mask or None, scale)``, one call per block of block_size
-    queries over the span of keys from the first to the last key block the masks do not hide
+    ``kernel(queries, keys, values, mask or None, scale)``: each block of block_size queries
+    over the span of keys from the first to the last key block the masks do not hide
     (``blockwise.Plan``: a sliding window's band, a document), with the span's mask (None where
     it shows the span whole): the scores of the hidden blocks outside the span are never made.
-    Hidden values never reach an output; a row that sees nothing is 0, where the kernel gives
-    it 0 or NaN (a softmax over nothing but -inf; not a uniform spread: a kernel's mask as a
-    large finite negative would need ``fused_attention``'s any-row pass per block)."""
+    Blocks showing one span whole run as one; spans alike at a steady stride as one call
+    (``_strided``).  Hidden values never reach an output; a row that sees nothing is 0, where
+    the kernel gives it 0 or NaN (a softmax over nothing but -inf; not a uniform spread: a
+    kernel's mask as a large finite negative would need ``fused_attention``'s any-row pass per
+    block)."""
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
     plan = blockwise.Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
     finite_values = blockwise.known_finite(ops, values)  # then no hidden value can reach an output
+    stackable = finite_values and (len(ops.shape(queries)) == 3 or ops.shape(queries)[0] == 1)
     outs = []
-    for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
+    for group in _strided(_spans(ops, plan, queries, keys), stackable):
+        first = group[0]
+        if first.k0 is None:  # the block sees nothing
+            shape = tuple(ops.shape(queries)[:-2]) + (first.q1 - first.q0, ops.shape(values)[-1])
+            outs.append(ops.zeros(shape, values))
+        elif len(group) == 1:
+            q_block = blockwise.rows(queries, first.q0, first.q1)
+            k_span, v_span = (
+                blockwise.rows(keys, first.k0, first.k1),
+                blockwise.rows(values, first.k0, first.k1),
+            )
+            if first.seen is not None and not finite_values:
+                v_span = core.visible_values(ops, v_span, first.seen)
+            outs.append(_kernel_call(ops, kernel, q_block, k_span, v_span, first.seen, scale))
+        else:
+            outs.append(_over_strided_spans(ops, kernel, queries, keys, values, group, scale))
+    return (outs[0] if len(outs) == 1 else ops.concat(outs, -2)), None
+
+
+class _Span(NamedTuple):
+    q0: int
+    q1: int
+    k0: Optional[int]  # None: no key visible
+    k1: Optional[int]
+    seen: Optional[Tensor]  # the span's mask, None where it is shown whole
+
+
+def _spans(ops: Ops, plan: blockwise.Plan, queries: Tensor, keys: Tensor) -> List[_Span]:
+    """Each block of queries and its span, consecutive blocks showing the same span whole as one."""
+    spans: List[_Span] = []
+    for q0, q1 in plan.query_blocks:
         shown = [(k0, k1) for k0, k1 in plan.key_blocks if plan.kind(q0, q1, k0, k1)[0] != blockwise.SKIP]
         if not shown:
-            outs.append(ops.zeros(tuple(ops.shape(q_block)[:-1]) + (ops.shape(values)[-1],), values))
+            spans.append(_Span(q0, q1, None, None, None))
             continue
         k0, k1 = shown[0][0], shown[-1][1]
-        k_span, v_span = blockwise.rows(keys, k0, k1), blockwise.rows(values, k0, k1)
         kind, parts = plan.kind(q0, q1, k0, k1)
-        if kind == blockwise.FULL:
-            outs.append(kernel(q_block, k_span, v_span, None, scale))
+        last = spans[-1] if spans else None
+        if kind == blockwise.FULL and last and last.seen is None and (last.k0, last.k1) == (k0, k1):
+            spans[-1] = last._replace(q1=q1)
             continue
-        seen = plan.visibility(parts, q_block, k_span, q0, q1, k0, k1)
-        v_span = v_span if finite_values else core.visible_values(ops, v_span, seen)
-        out = kernel(q_block, k_span, v_span, seen, scale)
-        if core.holds_non_finite(ops, out):  # a row that sees nothing, as NaN (or a visible NaN)
-            out = ops.where(ops.any(seen, -1), out, 0.0)
-        outs.append(out)
-    return (outs[0] if len(outs) == 1 else ops.concat(outs, -2)), None
+        seen = None
+        if kind != blockwise.FULL:
+            q_block, k_span = blockwise.rows(queries, q0, q1), blockwise.rows(keys, k0, k1)
+            seen = plan.visibility(parts, q_block, k_span, q0, q1, k0, k1)
+        spans.append(_Span(q0, q1, k0, k1, seen))
+    return spans
+
+
+def _strided(spans: List[_Span], stackable: bool) -> List[List[_Span]]:
+    """spans in runs of one shape and one mask (the same tensor, a window's) whose keys start
+    at a steady stride: each run one kernel call (``_over_strided_spans``), where stackable."""
+    runs: List[List[_Span]] = []
+    for span in spans:
+        run = runs[-1] if runs else None
+        if stackable and run and span.k0 is not None and _continues(run, span):
+            run.append(span)
+        else:
+            runs.append([span])
+    return runs
+
+
+def _continues(run: List[_Span], span: _Span) -> bool:
+    first, last = run[0], run[-1]
+    if last.k0 is None or span.seen is not first.seen:
+        return False
+    if (span.q1 - span.q0, span.k1 - span.k0) != (first.q1 - first.q0, first.k1 - first.k0):
+        return False
+    step = span.k0 - last.k0
+    return step > 0 and (len(run) == 1 or step == run[1].k0 - first.k0)
+
+
+def _over_strided_spans(
+    ops: Ops,
+    kernel: Callable[..., Tensor],
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    run: list,
+    scale: float,
+) -> Tensor:
+    """The output of a run of spans (``_strided``) by one kernel call on views of the inputs
+    stacked on a leading axis (``Ops.row_windows``): one call's fixed cost and thread wake-up
+    for the run, not one per block."""
+    first, count = run[0], len(run)
+    n, width, step = first.q1 - first.q0, first.k1 - first.k0, run[1].k0 - first.k0
+    q = ops.row_windows(queries, first.q0, n, n, count)
+    k, v = (ops.row_windows(x, first.k0, width, step, count) for x in (keys, values))
+    heads = len(ops.shape(queries)) == 4  # one sequence (``stackable``): its axis dropped
+    if heads:
+        q, k, v = (ops.reshape(x, (count,) + tuple(ops.shape(x)[2:])) for x in (q, k, v))
+    seen = first.seen
+    while seen is not None and len(ops.shape(seen)) < len(ops.shape(q)):  # q's rank: SDPA's fast mask
+        seen = ops.expand_dims(seen, 0)
+    out = ops.joined_rows(_kernel_call(ops, kernel, q, k, v, seen, scale))
+    return ops.expand_dims(out, 0) if heads else out
+
+
+def _kernel_call(ops: Ops, kernel: Callable[..., Tensor], q, k, v, seen: Optional[Tensor], scale: float):
+    out = kernel(q, k, v, seen, scale)
+    if seen is not None and core.holds_non_finite(ops, out):  # a row seeing nothing as NaN, or a NaN seen
+        out = ops.where(ops.any(seen, -1), out, 0.0)
+    return out
 
 
 def declines_fused(masks: Masks, dropout: Any, need_weights: bool) -> Optional[str]:

@@ -180,6 +180,23 @@ class Primitives:
             bounds.append(bounds[-1] + size)
         return [x[..., start:stop, :] for start, stop in zip(bounds, bounds[1:])]
 
+    def row_windows(self, x: Tensor, start: int, size: int, step: int, count: int) -> Tensor:
+        """count windows of size rows of x (axis -2), the i-th from start + i * step, stacked on
+        a new leading axis: (count, *x.shape[:-2], size, x.shape[-1]); the default copies them
+        (a framework with strided views overrides it with one)."""
+        return self.concat(
+            [
+                self.expand_dims(x[..., at : at + size, :], 0)
+                for at in range(start, start + count * step, step)
+            ],
+            0,
+        )
+
+    def joined_rows(self, x: Tensor) -> Tensor:
+        """x (count, ..., n, d) as (..., count * n, d): the count blocks' rows one after another
+        (the inverse of ``row_windows`` where the windows tile); the default concatenates."""
+        return self.concat([x[at, ...] for at in range(self.shape(x)[0])], -2)
+
     def scaled_matmul_t(self, a: Tensor, b: Tensor, scale: float) -> Tensor:
         """``scale * (a @ b^T)`` for a (B, [H,] Q, d) and b (B, [H,] K, d)."""
         n_keys, width = self.shape(b)[-2], self.shape(a)[-1]

@@ -3,6 +3,7 @@ primitive, and nothing the base does not declare (a misspelled override would be
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from multiattn import protocol
@@ -37,6 +38,14 @@ def test_the_check_finds_a_misspelled_hook_and_a_missing_primitive(bk):
     assert "Incomplete lacks the required primitive softmax" in problems
     assert "Incomplete lacks the required primitive shape" not in problems
     assert len(problems) == len(protocol.REQUIRED) - 1
+
+
+def test_row_windows_are_the_slices_stacked_and_joined_rows_undo_a_tiling(bk):
+    x = np.arange(2 * 10 * 3, dtype=np.float32).reshape(2, 10, 3)
+    ops, t = bk.module.ops, bk.tensor(x, "float32")
+    windows = bk.numpy(ops.row_windows(t, 1, 3, 2, 4))  # rows 1-3, 3-5, 5-7, 7-9
+    np.testing.assert_array_equal(windows, np.stack([x[:, at : at + 3] for at in (1, 3, 5, 7)]))
+    np.testing.assert_array_equal(bk.numpy(ops.joined_rows(ops.row_windows(t, 0, 5, 5, 2))), x)
 
 
 def test_a_required_primitive_left_undefined_says_which():

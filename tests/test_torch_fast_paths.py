@@ -569,6 +569,113 @@ def test_mask_functions_over_their_spans_match_the_reference(spans, dtype, name,
     assert_gradients_close(harness("torch"), got, want_grads, dtype)
 
 
+def _sdpa_calls(monkeypatch, block):
+    """Blocks of block queries for the spans, and the list of SDPA's calls (their queries' shapes)."""
+    import torch.nn.functional as F
+
+    from multiattn import blockwise
+
+    monkeypatch.setattr(
+        blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: block
+    )
+    made, real = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda *a, **kw: made.append(a[0].shape) or real(*a, **kw)
+    )
+    return made
+
+
+def _per_head_reference(q, k, v, mask_fn):
+    """The float64 reference for (B, [H,] n, d) inputs, a query head i using key head i // groups."""
+    if q.ndim == 3:
+        return ref.dot_product_attention(
+            q, k, v, attention_mask=ref.function_mask(q.shape[:2] + k.shape[1:2], mask_fn)
+        )[0]
+    groups = q.shape[1] // k.shape[1]
+    out = np.zeros(q.shape[:-1] + v.shape[-1:])
+    for h in range(q.shape[1]):
+        out[:, h] = _per_head_reference(q[:, h], k[:, h // groups], v[:, h // groups], mask_fn)
+    return out
+
+
+@pytest.mark.parametrize(
+    "shape, kv_heads, calls",
+    [((2, 30, 4), None, 2), ((1, 4, 30, 4), 2, 2), ((2, 2, 30, 4), 2, 10)],
+    ids=["3-D", "one sequence of grouped heads", "two sequences of heads"],
+)
+def test_a_windows_spans_alike_run_as_one_sdpa_call_where_views_hold_them(
+    monkeypatch, shape, kv_heads, calls
+):
+    """Blocks of 3 queries, a window of 3: the first block's span (3 keys), then nine alike (6
+    keys, one mask, keys 3 apart) in one call on strided views, where one tensor holds them (3-D,
+    or one sequence); else a call each.  Values as the float64 reference's."""
+    import torch
+
+    from multiattn import core, mods
+    from multiattn.backends import torch as m
+    from multiattn.masks import Masks
+
+    made = _sdpa_calls(monkeypatch, 3)
+    rng = np.random.default_rng(len(shape))
+    q = rng.normal(size=shape)
+    kv_shape = shape if kv_heads is None else shape[:1] + (kv_heads,) + shape[2:]
+    k, v = rng.normal(size=kv_shape), rng.normal(size=kv_shape)
+    tensors = (torch.tensor(x) for x in (q, k, v))  # 4-D: the core's call, as multi-head attention makes it
+    masks = Masks(mask_mod=mods.sliding_window(3))
+    out = core.dot_product_attention(m.ops, *tensors, masks, need_weights=False)[0]
+    assert len(made) == calls, made
+    want = _per_head_reference(q, k, v, lambda b, h, i, j: 0 <= i - j < 3)
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_documents_blocks_merge_and_documents_alike_run_as_one_call(monkeypatch):
+    """Documents of 9, 9 and 12 tokens, blocks of 3: each document's blocks see its keys whole
+    (one span of the document's length); the two of 9 in one call, the one of 12 in another."""
+    import torch
+
+    import multiattn
+    from multiattn import mods
+
+    made = _sdpa_calls(monkeypatch, 3)
+    ids = np.repeat([0, 1, 2], [9, 9, 12])[None]
+    q, k, v = (np.random.default_rng(5).normal(size=(1, 30, 4)) for _ in range(3))
+    out = multiattn.dot_product_attention(*(torch.tensor(x) for x in (q, k, v)), mask_mod=mods.document(ids))
+    assert [tuple(s) for s in made] == [(2, 1, 9, 4), (1, 1, 12, 4)]
+    want = _per_head_reference(q, k, v, lambda b, h, i, j: ids[0, i] == ids[0, j])
+    np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+
+
+def test_gradients_through_spans_run_as_one_call_match_finite_differences(monkeypatch):
+    import torch
+
+    import multiattn
+    from multiattn import mods
+
+    from .harness import harness
+    from .test_gradients import assert_gradients_close
+
+    made = _sdpa_calls(monkeypatch, 3)
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.normal(size=(1, 12, 2)) for _ in range(3))
+    window = lambda b, h, i, j: 0 <= i - j < 3  # noqa: E731
+    args = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    out = multiattn.dot_product_attention(*args, mask_mod=mods.sliding_window(3))
+    assert len(made) == 2, made  # the first block, then three alike
+    cotangent = rng.normal(size=out.shape)
+    out.backward(torch.tensor(cotangent))
+    step, want = 1e-6, {}
+    for at, x in enumerate((q, k, v)):
+        grad = np.zeros_like(x)
+        for idx in np.ndindex(x.shape):
+            for sign in (1, -1):
+                shifted = [a.copy() for a in (q, k, v)]
+                shifted[at][idx] += sign * step
+                grad[idx] += sign * float(np.sum(_per_head_reference(*shifted, window) * cotangent))
+        want["qkv"[at]] = grad / (2 * step)
+    got = {n: a.grad.numpy() for n, a in zip("qkv", args)}
+    assert_gradients_close(harness("torch"), got, want, "float64")
+
+
 # -- grouped heads past the budget: SDPA with enable_gqa ----------------------------------------
 
 

@@ -233,6 +233,15 @@ class TorchOps(Ops):
 
         return attend
 
+    def row_windows(self, x, start, size, step, count):
+        windows = x[..., start : start + (count - 1) * step + size, :].unfold(-2, size, step)
+        return windows.movedim(-3, 0).transpose(-1, -2)  # a view: (count, ..., size, d)
+
+    def joined_rows(self, x):
+        # one copy at most: a concatenation of views with strides this odd is slow beside a busy process
+        joined = x.movedim(0, -3)
+        return joined.reshape(*joined.shape[:-3], -1, joined.shape[-1])
+
     def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
         # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
         if masks.mask_mod is not None:  # small masked calls: each block of queries over its span
