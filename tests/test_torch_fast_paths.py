@@ -556,17 +556,22 @@ def test_mask_functions_over_their_spans_match_the_reference(spans, dtype, name,
         return  # NaN values: the finite differences below are of clean inputs
     cotangent = rng.normal(size=out.shape)
     out.backward(torch.tensor(cotangent, dtype=out.dtype))
-    step, want_grads = 1e-6, {}
-    for i, x in enumerate((q, k, v)):
+    got = {n: a.grad.double().numpy() for n, a in zip("qkv", args)}
+    assert_gradients_close(harness("torch"), got, _finite_differences(reference, (q, k, v), cotangent), dtype)
+
+
+def _finite_differences(reference, qkv, cotangent, step=1e-6):
+    """The gradients of sum(reference(q, k, v) * cotangent) by central differences, by name."""
+    grads = {}
+    for at, x in enumerate(qkv):
         grad = np.zeros_like(x)
         for idx in np.ndindex(x.shape):
             for sign in (1, -1):
-                shifted = [a.copy() for a in (q, k, v)]
-                shifted[i][idx] += sign * step
+                shifted = [a.copy() for a in qkv]
+                shifted[at][idx] += sign * step
                 grad[idx] += sign * float(np.sum(reference(*shifted) * cotangent))
-        want_grads["qkv"[i]] = grad / (2 * step)
-    got = {n: a.grad.double().numpy() for n, a in zip("qkv", args)}
-    assert_gradients_close(harness("torch"), got, want_grads, dtype)
+        grads["qkv"[at]] = grad / (2 * step)
+    return grads
 
 
 def _sdpa_calls(monkeypatch, block):
@@ -663,15 +668,7 @@ def test_gradients_through_spans_run_as_one_call_match_finite_differences(monkey
     assert len(made) == 2, made  # the first block, then three alike
     cotangent = rng.normal(size=out.shape)
     out.backward(torch.tensor(cotangent))
-    step, want = 1e-6, {}
-    for at, x in enumerate((q, k, v)):
-        grad = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            for sign in (1, -1):
-                shifted = [a.copy() for a in (q, k, v)]
-                shifted[at][idx] += sign * step
-                grad[idx] += sign * float(np.sum(_per_head_reference(*shifted, window) * cotangent))
-        want["qkv"[at]] = grad / (2 * step)
+    want = _finite_differences(lambda *qkv: _per_head_reference(*qkv, window), (q, k, v), cotangent)
     got = {n: a.grad.numpy() for n, a in zip("qkv", args)}
     assert_gradients_close(harness("torch"), got, want, "float64")
 
