@@ -140,6 +140,19 @@ class Plan:
         found = None if mod is None else mod.key_range(q0, q1)
         return (0, self.n_keys) if found is None else found
 
+    def shown(self, q0: int, q1: int) -> List[Tuple[int, Tuple[int, int], str, Tuple[str, ...]]]:
+        """(index, (k0, k1), kind, parts) of each key block the queries [q0, q1) do not skip;
+        blocks outside ``key_range`` known hidden without examining them."""
+        lo, hi = self.key_range(q0, q1)
+        found = []
+        for at, (k0, k1) in enumerate(self.key_blocks):
+            if k1 <= lo or k0 >= hi:
+                continue
+            kind, parts = self.kind(q0, q1, k0, k1)
+            if kind != SKIP:
+                found.append((at, (k0, k1), kind, parts))
+        return found
+
     def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
         """For a PARTIAL square block with a quarter off its diagonal hidden entirely (a
         sliding window's band), the key columns each half of its queries needs, ((c0, c1) of
@@ -376,14 +389,7 @@ def _spans(plan: Plan, q0: int, q1: int, key_blocks: list, keys: Tensor, values:
     and merge (the steps run eagerly, each op dispatched per block), one span of them all: one
     step instead of several (a sliding window's band).  A compiler fuses each block's passes:
     there, the blocks stay (benchmarks/RESULTS.md)."""
-    found = []
-    lo, hi = plan.key_range(q0, q1)
-    for (k0, k1), kv in zip(plan.key_blocks, key_blocks):
-        if k1 <= lo or k0 >= hi:  # hidden, known without examining the block
-            continue
-        kind, parts = plan.kind(q0, q1, k0, k1)
-        if kind != SKIP:
-            found.append(((k0, k1), kv, kind, parts))
+    found = [(block, key_blocks[at], kind, parts) for at, block, kind, parts in plan.shown(q0, q1)]
     if not merge or plan.masks.mask_mod is None or len(found) < 2:
         return found
     k0, k1 = found[0][0][0], found[-1][0][1]

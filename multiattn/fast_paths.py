@@ -254,7 +254,7 @@ def _spans(ops: Ops, plan: blockwise.Plan, queries: Tensor, keys: Tensor) -> Lis
     """Each block of queries and its span, consecutive blocks showing the same span whole as one."""
     spans: List[_Span] = []
     for q0, q1 in plan.query_blocks:
-        shown = [(k0, k1) for k0, k1 in plan.key_blocks if plan.kind(q0, q1, k0, k1)[0] != blockwise.SKIP]
+        shown = [block for _, block, _, _ in plan.shown(q0, q1)]
         if not shown:
             spans.append(_Span(q0, q1, None, None, None))
             continue
