@@ -81,8 +81,12 @@ def dot_product_attention(
     block_size: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    scale: Any = None,
 ) -> Any:
-    """softmax(Q K^T / sqrt(d)) V with masking, on the framework of the arguments.
+    """softmax(scale Q K^T) V with masking (scale: 1 / sqrt(d) by default), on the framework
+    of the arguments.  queries (B, Q, d) or, torch SDPA's layout, (B, H, Q, d); keys and
+    values (B, K, .) or (B, H_kv, K, .), each key/value head shared by H / H_kv query heads
+    (grouped-query attention: query head i uses key/value head i // (H / H_kv)).
 
     With ``return_weights=True`` returns ``(output, attention_weights)``; with
     ``return_lse=True`` also (last) lse (B, Q), the log of the sum of exp of each row's
@@ -98,7 +102,7 @@ def dot_product_attention(
     return get_backend(name).dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
-        score_mod=score_mod, mask_mod=mask_mod,
+        score_mod=score_mod, mask_mod=mask_mod, scale=scale,
     )  # fmt: skip
 
 
@@ -147,12 +151,14 @@ def multi_head_attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     num_kv_heads: Any = None,
+    scale: Any = None,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
     weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
     optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
     ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``.  ``num_kv_heads``:
-    grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows)."""
+    grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
+    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads))."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
@@ -160,6 +166,7 @@ def multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
         block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,
+        scale=scale,
     )  # fmt: skip
 
 

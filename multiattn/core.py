@@ -196,6 +196,7 @@ def multi_head_attention(
     block_size: Optional[int] = None,
     score_mod: ScoreMod = None,
     num_kv_heads: Optional[int] = None,
+    scale: Optional[float] = None,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """d2l 11.5: h_i = f(W_q^(i) q, W_k^(i) k, W_v^(i) v) per head i, scaled dot-product
     attention on the i-th group of num_hiddens / num_heads columns; out = W_o [h_1, ..., h_H].
@@ -203,7 +204,8 @@ def multi_head_attention(
     weights (B, H, Q, K) or None where need_weights is False).  block_size: as in
     ``dot_product_attention``.  num_kv_heads (default num_heads): grouped-query attention,
     W_k and W_v give num_kv_heads heads of the same width, query head i using key/value head
-    i // (num_heads / num_kv_heads) (``heads``), the keys and values never repeated."""
+    i // (num_heads / num_kv_heads) (``heads``), the keys and values never repeated.  scale:
+    of each head's scores (default 1 / sqrt(num_hiddens / num_heads))."""
     (batch, n_queries), n_keys = ops.shape(queries)[:2], ops.shape(keys)[1]
     if 0 in (batch, n_queries):
         return (
@@ -216,7 +218,7 @@ def multi_head_attention(
     kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     q = ops.split_heads(project["q"](queries), num_heads)
     k, v = (ops.split_heads(project[n](x), kv_heads) for n, x in zip("kv", (keys, values)))
-    scale = 1.0 / math.sqrt(num_hiddens // num_heads)
+    scale = 1.0 / math.sqrt(num_hiddens // num_heads) if scale is None else scale
     pooled, weights = dot_product_attention(
         ops, q, k, v, masks, scale=scale, dropout=dropout, need_weights=need_weights, block_size=block_size,
         score_mod=score_mod,

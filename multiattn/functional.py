@@ -60,10 +60,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         block_size: Any = None,
         score_mod: Any = None,
         mask_mod: Any = None,
+        scale: Any = None,
     ) -> Any:
-        """softmax(Q K^T / sqrt(d)) V; with return_weights, (output, weights); with return_lse,
-        lse (B, Q) last: the log of the sum of exp of each row's visible scores.  score_mod
-        and mask_mod: ``multiattn.mods``.
+        """softmax(scale Q K^T) V (scale: 1 / sqrt(d)); 3-D (B, Q, d) or 4-D (B, H, Q, d) with
+        keys and values (B, H_kv, K, .), H_kv dividing H; with return_weights, (output,
+        weights); with return_lse, lse (B, [H,] Q) last: the log of the sum of exp of each
+        row's visible scores.  score_mod and mask_mod: ``multiattn.mods``.
 
         Without return_weights the framework's fused kernel runs where there is one, and the
         scores are computed in blocks of block_size (None: where they would not fit).
@@ -88,7 +90,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         validation.check_flag("return_lse", return_lse)
         result = core.dot_product_attention(
             ops, queries, keys, values, masks, need_weights=return_weights, block_size=block_size,
-            need_lse=return_lse, score_mod=score_mod,
+            need_lse=return_lse, score_mod=score_mod, scale=validation.check_scale(scale),
         )  # fmt: skip
         return validation.returned(result, return_weights, return_lse)
 
@@ -143,13 +145,15 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         score_mod: Any = None,
         mask_mod: Any = None,
         num_kv_heads: Any = None,
+        scale: Any = None,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
         W_v (h, v), W_o (h, h) and optionally b_q, b_k, b_v, b_o (h,); with return_weights,
         (output (B, Q, h), weights (B, num_heads, Q, K)); without, in blocks of block_size
         (None: where the scores would not fit).  num_kv_heads: grouped-query attention, W_k,
         W_v (and b_k, b_v) of num_kv_heads * h / num_heads rows, query head i using key/value
-        head i // (num_heads / num_kv_heads)."""
+        head i // (num_heads / num_kv_heads).  scale: of each head's q k^T (None: 1 / sqrt(h /
+        num_heads))."""
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask,
@@ -172,7 +176,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         out, attention = core.multi_head_attention(
             ops, queries, keys, values, masks, project=project, num_heads=num_heads, num_hiddens=num_hiddens,
             need_weights=return_weights, block_size=block_size, score_mod=score_mod,
-            num_kv_heads=num_kv_heads,
+            num_kv_heads=num_kv_heads, scale=validation.check_scale(scale),
         )  # fmt: skip
         return (out, attention) if return_weights else out
 

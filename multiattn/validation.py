@@ -3,6 +3,8 @@ expected and the actual value.  Framework-free, through ``protocol.Ops``."""
 
 from __future__ import annotations
 
+import math
+import numbers
 import re
 from typing import Any, Optional
 
@@ -113,8 +115,11 @@ def check_attention_inputs(
     key_size: Any = None,
     value_size: Any = None,
     same_width: bool = False,
+    heads: bool = False,
 ) -> tuple[Shape, Shape, Shape]:
-    """The three shapes; ValueError naming the argument, the expected and the actual shape."""
+    """The three shapes; ValueError naming the argument, the expected and the actual shape.
+    heads: 4-D inputs are taken too, queries (B, H, Q, q), keys and values (B, H_kv, K, .)
+    with H_kv dividing H."""
     q_shape, k_shape, v_shape = ops.shape(queries), ops.shape(keys), ops.shape(values)
     # The common case in a few comparisons (toy sizes are dispatch bound); anything
     # unusual (a mismatch, an unknown dimension, a size argument) takes the full check.
@@ -129,16 +134,28 @@ def check_attention_inputs(
         if valid_lens is not None:
             check_valid_lens(ops, valid_lens, q_shape[0], q_shape[1])
         return q_shape, k_shape, v_shape
-    _full_check(ops, (queries, keys, values), valid_lens, (query_size, key_size, value_size), same_width)
+    sizes = (query_size, key_size, value_size)
+    _full_check(ops, (queries, keys, values), valid_lens, sizes, same_width, heads)
     return q_shape, k_shape, v_shape
 
 
-def _full_check(ops: Ops, tensors: tuple, valid_lens: Tensor, sizes: tuple, same_width: bool) -> None:
+def _full_check(
+    ops: Ops, tensors: tuple, valid_lens: Tensor, sizes: tuple, same_width: bool, heads: bool = False
+) -> None:
     names = ("queries", "keys", "values")
     shapes = [ops.shape(t) for t in tensors]
+    four = heads and len(shapes[0]) == 4
     for arg, shape, rows in zip(names, shapes, ("queries", "keys", "keys")):
-        if len(shape) != 3:
-            raise ValueError(f"{arg} must be 3-D (batch, {rows}, features), got shape {fmt(shape)}")
+        if four and len(shape) != 4:
+            head = "heads" if arg == "queries" else "kv_heads"
+            raise ValueError(
+                f"{arg} must be 4-D (batch, {head}, {rows}, features) like queries, got shape {fmt(shape)}"
+            )
+        if not four and len(shape) != 3:
+            layouts = f"3-D (batch, {rows}, features)"
+            if heads:
+                layouts += f" or 4-D (batch, {'heads' if arg == 'queries' else 'kv_heads'}, {rows}, features)"
+            raise ValueError(f"{arg} must be {layouts}, got shape {fmt(shape)}")
     for arg, x in zip(names, tensors):
         check_float(ops, arg, x)
     if not tensors[0].dtype == tensors[1].dtype == tensors[2].dtype:
@@ -146,11 +163,24 @@ def _full_check(ops: Ops, tensors: tuple, valid_lens: Tensor, sizes: tuple, same
             "queries, keys and values must share one dtype, got "
             + ", ".join(f"{arg} {dtype_name(x)}" for arg, x in zip(names, tensors))
         )
-    (batch, n_queries, q_width), (_, n_keys, k_width), _ = shapes
+    batch, n_queries, q_width = shapes[0][0], shapes[0][-2], shapes[0][-1]
+    n_keys, k_width = shapes[1][-2], shapes[1][-1]
     for arg, shape in zip(names[1:], shapes[1:]):
         if not same(shape[0], batch):
             raise ValueError(f"{arg} must have batch size {batch} like queries, got shape {fmt(shape)}")
-    if not same(shapes[2][1], n_keys):
+    if four:
+        n_heads, kv_heads = shapes[0][1], shapes[1][1]
+        if not same(shapes[2][1], kv_heads):
+            raise ValueError(
+                f"values must have {kv_heads} heads like keys (batch, kv_heads, keys, features), "
+                f"got shape {fmt(shapes[2])}"
+            )
+        if kv_heads == 0 or (n_heads is not None and kv_heads is not None and n_heads % kv_heads):
+            raise ValueError(
+                f"keys must have a number of heads dividing the queries' {n_heads} (query head i uses "
+                f"key/value head i // (heads / kv_heads)), got shape {fmt(shapes[1])}"
+            )
+    if not same(shapes[2][-2], n_keys):
         raise ValueError(
             f"values must have {n_keys} rows like keys (one value per key), got shape {fmt(shapes[2])}"
         )
@@ -166,6 +196,17 @@ def _full_check(ops: Ops, tensors: tuple, valid_lens: Tensor, sizes: tuple, same
             raise ValueError(f"{arg} must have width {label}={size}, got shape {fmt(shape)}")
     if valid_lens is not None:
         check_valid_lens(ops, valid_lens, batch, n_queries)
+
+
+def check_scale(scale: Any) -> Any:
+    """None (1 / sqrt(d)) or a finite real number, as a Python float."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise TypeError(
+            f"scale must be a finite number (the factor of q k^T; None: 1 / sqrt(d)), got {scale!r}"
+        )
+    return float(scale)
 
 
 def check_known_width(q_shape: Shape) -> int:
@@ -423,9 +464,11 @@ def dot_product_call(
     causal: Any,
 ) -> Masks:
     """The arguments of dot-product attention checked; its masks."""
-    q_shape, k_shape, _ = check_attention_inputs(ops, queries, keys, values, valid_lens, same_width=True)
+    q_shape, k_shape, _ = check_attention_inputs(
+        ops, queries, keys, values, valid_lens, same_width=True, heads=True
+    )
     check_known_width(q_shape)
-    return gather_masks(ops, valid_lens, attention_mask, causal, q_shape[:2] + k_shape[1:2])
+    return gather_masks(ops, valid_lens, attention_mask, causal, tuple(q_shape[:-1]) + (k_shape[-2],))
 
 
 def additive_call(

@@ -206,3 +206,40 @@ def modified_scores(scores, fn) -> np.ndarray:
         b, i, j = index[0], index[-2], index[-1]
         out[index] = fn(float(scores[index]), b, index[1] if scores.ndim == 4 else 0, i, j)
     return out
+
+
+def heads_attention(
+    queries, keys, values, valid_lens=None, attention_mask=None, causal=False, scale=None,
+    mask_fn=None, score_fn=None,
+):  # fmt: skip
+    """(output (B, H, Q, v), weights (B, H, Q, K)) of 4-D attention: queries (B, H, Q, d), keys
+    and values (B, H_kv, K, .), query head h using key/value head h // (H / H_kv); scores
+    scale * q . k (default 1 / sqrt(d)), then score_fn(s, b, h, i, j); hidden where the lengths,
+    the mask (broadcast to (B, H, Q, K); 3-D: (B, Q, K)), causality or mask_fn(b, h, i, j) say."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (queries, keys, values))
+    B, H, Q, d = q.shape
+    H_kv, K = k.shape[1], k.shape[2]
+    group = H // H_kv
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scores = np.zeros((B, H, Q, K))
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                for j in range(K):
+                    s = scale * sum(q[b, h, i, c] * k[b, h // group, j, c] for c in range(d))
+                    scores[b, h, i, j] = s if score_fn is None else score_fn(s, b, h, i, j)
+    if mask_fn is not None:
+        shown = function_mask(scores.shape, mask_fn)
+        if attention_mask is not None:
+            mask = np.asarray(attention_mask, dtype=bool)
+            mask = mask[:, None] if mask.ndim == 3 else mask
+            shown = shown & np.broadcast_to(mask, shown.shape)
+        attention_mask = shown
+    weights = masked_softmax(scores, valid_lens, attention_mask, causal)
+    out = np.zeros((B, H, Q, v.shape[-1]))
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                for j in range(K):
+                    out[b, h, i] += weights[b, h, i, j] * v[b, h // group, j]
+    return out, weights
