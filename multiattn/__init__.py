@@ -57,6 +57,7 @@ def masked_softmax(
     causal: bool = False,
     score_mod: Any = None,
     mask_mod: Any = None,
+    **unknown: Any,
 ) -> Any:
     """Softmax over X's last axis, hidden positions exactly 0, on X's framework: positions
     >= valid_lens, where attention_mask is False (True: may attend), j > i when causal, and
@@ -64,7 +65,8 @@ def masked_softmax(
     on X (``multiattn.mods``)."""
     name = framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
     return get_backend(name).masked_softmax(
-        X, valid_lens, attention_mask=attention_mask, causal=causal, score_mod=score_mod, mask_mod=mask_mod
+        X, valid_lens, attention_mask=attention_mask, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+        **unknown,
     )
 
 
@@ -82,6 +84,7 @@ def dot_product_attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     scale: Any = None,
+    **unknown: Any,
 ) -> Any:
     """softmax(scale Q K^T) V with masking (scale: 1 / sqrt(d) by default), on the framework
     of the arguments.  queries (B, Q, d) or, torch SDPA's layout, (B, H, Q, d); keys and
@@ -103,6 +106,7 @@ def dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
         score_mod=score_mod, mask_mod=mask_mod, scale=scale,
+        **unknown,
     )  # fmt: skip
 
 
@@ -121,6 +125,7 @@ def additive_attention(
     block_size: Any = None,
     score_mod: Any = None,
     mask_mod: Any = None,
+    **unknown: Any,
 ) -> Any:
     """Additive attention with weight tensors in the canonical layout, on their framework:
     W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
@@ -133,6 +138,7 @@ def additive_attention(
         queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, attention_mask=attention_mask,
         causal=causal, return_weights=return_weights, block_size=block_size, score_mod=score_mod,
         mask_mod=mask_mod,
+        **unknown,
     )  # fmt: skip
 
 
@@ -152,6 +158,7 @@ def multi_head_attention(
     mask_mod: Any = None,
     num_kv_heads: Any = None,
     scale: Any = None,
+    **unknown: Any,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
     weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
@@ -167,6 +174,7 @@ def multi_head_attention(
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
         block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,
         scale=scale,
+        **unknown,
     )  # fmt: skip
 
 

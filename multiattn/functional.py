@@ -9,6 +9,7 @@ name.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, Mapping, Tuple
 
 from . import blockwise, core, validation
@@ -34,9 +35,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         causal: bool = False,
         score_mod: Any = None,
         mask_mod: Any = None,
+        **unknown: Any,
     ) -> Tensor:
         """Softmax over X's last axis; hidden positions (j >= valid_lens, attention_mask
         False, j > i when causal, mask_mod False) are exactly 0; score_mod first, on X."""
+        if unknown:
+            validation.unknown_keywords("masked_softmax", unknown, keywords["masked_softmax"])
         if not (
             type(X) in known
             and (valid_lens is None or type(valid_lens) in known)
@@ -44,7 +48,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         ):
             check(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
         masks = validation.softmax_call(ops, X, valid_lens, attention_mask, causal)
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        shape = ops.shape(X)
+        sizes = (shape[0], shape[-2], shape[-1]) if len(shape) >= 2 else None
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
         return core.masked_softmax(ops, X, masks, score_mod=score_mod)
 
     def dot_product_attention(
@@ -61,6 +67,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         score_mod: Any = None,
         mask_mod: Any = None,
         scale: Any = None,
+        **unknown: Any,
     ) -> Any:
         """softmax(scale Q K^T) V (scale: 1 / sqrt(d)); 3-D (B, Q, d) or 4-D (B, H, Q, d) with
         keys and values (B, H_kv, K, .), H_kv dividing H; with return_weights, (output,
@@ -70,6 +77,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         Without return_weights the framework's fused kernel runs where there is one, and the
         scores are computed in blocks of block_size (None: where they would not fit).
         """
+        if unknown:
+            validation.unknown_keywords("dot_product_attention", unknown, keywords["dot_product_attention"])
+
         if not (
             type(queries) in known
             and type(keys) in known
@@ -85,7 +95,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
+        )
         block_size = validation.check_block_size(block_size, return_weights)
         validation.check_flag("return_lse", return_lse)
         result = core.dot_product_attention(
@@ -109,10 +121,13 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         block_size: Any = None,
         score_mod: Any = None,
         mask_mod: Any = None,
+        **unknown: Any,
     ) -> Any:
         """Additive attention with canonical weights W_q (h, q), W_k (h, k), w_v (h,);
         without return_weights in blocks of block_size (None: where the scores would not fit).
         score_mod and mask_mod: ``multiattn.mods``."""
+        if unknown:
+            validation.unknown_keywords("additive_attention", unknown, keywords["additive_attention"])
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
             attention_mask=attention_mask,
@@ -121,7 +136,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.additive_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, query_size, key_size
         )
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
+        )
         block_size = validation.check_block_size(block_size, return_weights)
         out, weights = core.additive_attention(
             ops, queries, keys, values, masks, w_v=w_v,
@@ -146,6 +163,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         mask_mod: Any = None,
         num_kv_heads: Any = None,
         scale: Any = None,
+        **unknown: Any,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
         W_v (h, v), W_o (h, h) and optionally b_q, b_k, b_v, b_o (h,); with return_weights,
@@ -154,6 +172,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         W_v (and b_k, b_v) of num_kv_heads * h / num_heads rows, query head i using key/value
         head i // (num_heads / num_kv_heads).  scale: of each head's q k^T (None: 1 / sqrt(h /
         num_heads))."""
+        if unknown:
+            validation.unknown_keywords("multi_head_attention", unknown, keywords["multi_head_attention"])
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
         check(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask,
@@ -168,7 +188,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
+        )
         project = {
             n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n))
             for n in "qkvo"
@@ -180,7 +202,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         )  # fmt: skip
         return (out, attention) if return_weights else out
 
-    return masked_softmax, dot_product_attention, additive_attention, multi_head_attention
+    functions = masked_softmax, dot_product_attention, additive_attention, multi_head_attention
+    keywords = {f.__name__: [p for p in inspect.signature(f).parameters if p != "unknown"] for f in functions}
+    return functions
 
 
 def combine_attention(ops: Ops, parts: Any) -> Tuple[Tensor, Tensor]:

@@ -36,6 +36,8 @@ Ops = Any
 
 def _ops_of(*xs: Any) -> Ops:
     for x in xs:
+        if isinstance(x, Index):
+            return x.ops
         name = framework_of(x)
         if name is not None:
             return get_backend(name).ops
@@ -44,27 +46,148 @@ def _ops_of(*xs: Any) -> Ops:
 
 def where(condition: Tensor, x: Any, y: Any) -> Tensor:
     """x where condition is true, else y (arrays of one backend, or Python numbers)."""
-    return _ops_of(condition, x, y).select(condition, x, y)
+    ops = _ops_of(condition, x, y)
+    if isinstance(x, Index):
+        x, y, _ = x._pair(y)
+    elif isinstance(y, Index):
+        y, x, _ = y._pair(x)
+    return ops.select(_native(condition), x, y)
 
 
 def tanh(x: Tensor) -> Tensor:
     """The hyperbolic tangent of x, elementwise."""
-    return _ops_of(x).tanh(x)
+    ops = _ops_of(x)
+    return ops.tanh(ops.cast(x.ints, x.like) if isinstance(x, Index) else x)
 
 
 def logical_and(a: Tensor, b: Tensor) -> Tensor:
     """a and b, elementwise (the operator & refuses booleans on mxnet)."""
-    return _ops_of(a, b).logical_and(a, b)
+    return _ops_of(a, b).logical_and(*_native((a, b)))
 
 
 def logical_or(a: Tensor, b: Tensor) -> Tensor:
     """a or b, elementwise (the operator | refuses booleans on mxnet)."""
-    return _ops_of(a, b).select(a, True, b)
+    return _ops_of(a, b).select(*_native((a, True, b)))
 
 
 def _on(ops: Ops, x: Any, like: Tensor) -> Tensor:
     """x as a tensor of ops' backend: itself, or its values (numbers, numpy, another's)."""
     return x if framework_of(x) == ops.name else ops.constant(np.asarray(x), like)
+
+
+# -- positions that mix with Python floats ---------------------------------------------------
+
+
+class Index:
+    """Integer positions (b, h, q_idx, kv_idx) handed to score and mask functions where the
+    framework's integer arrays do not mix with Python floats as Python's ints do (``Ops.
+    wrapped_positions``: tensorflow and the strict Array API refuse ``0.1 * i``, mxnet gives
+    integers, torch computes it in float32).  Integer arithmetic stays integer; with a float
+    (a Python float or a float array) the positions are cast to the scores' dtype first, so
+    ``s + 0.1 * (q_idx - kv_idx)`` is computed as Python would; comparisons give the
+    framework's booleans; indexing a captured torch tensor, ``tf.gather`` and numpy take it."""
+
+    __slots__ = ("ints", "ops", "like")
+
+    def __init__(self, ints: Tensor, ops: Ops, like: Tensor) -> None:
+        self.ints, self.ops, self.like = ints, ops, like
+
+    @property
+    def shape(self) -> Any:
+        return self.ints.shape
+
+    @property
+    def dtype(self) -> Any:
+        return self.ints.dtype
+
+    def __repr__(self) -> str:
+        return f"Index({self.ints!r})"
+
+    def __bool__(self) -> bool:
+        raise TypeError("positions are arrays: combine conditions with mods.where / logical_and, not if/and/or")
+
+    def _pair(self, other: Any) -> tuple:
+        """(self, other) as arrays of one kind: ints where other is an int or integer array,
+        else both floats (other's dtype where it is an array, else the scores')."""
+        if isinstance(other, Index):
+            return self.ints, other.ints, True
+        if isinstance(other, bool) or isinstance(other, int):
+            return self.ints, other, True
+        if isinstance(other, float):
+            return self.ops.cast(self.ints, self.like), other, False
+        if framework_of(other) == self.ops.name:
+            kind = self.ops.dtype_kind(other)
+            if kind in "iub":
+                return self.ints, other, True
+            return self.ops.cast(self.ints, other), other, False
+        return NotImplemented, None, False
+
+    def _binary(op: Callable, integer: bool = True) -> Callable:  # noqa: N805 (a method maker)
+        def method(self, other):
+            a, b, ints = self._pair(other)
+            if a is NotImplemented:
+                return NotImplemented
+            out = op(a, b)
+            return Index(out, self.ops, self.like) if ints and integer else out
+
+        def reflected(self, other):
+            a, b, ints = self._pair(other)
+            if a is NotImplemented:
+                return NotImplemented
+            out = op(b, a)
+            return Index(out, self.ops, self.like) if ints and integer else out
+
+        return method, reflected
+
+    __add__, __radd__ = _binary(lambda a, b: a + b)
+    __sub__, __rsub__ = _binary(lambda a, b: a - b)
+    __mul__, __rmul__ = _binary(lambda a, b: a * b)
+    __floordiv__, __rfloordiv__ = _binary(lambda a, b: a // b)
+    __mod__, __rmod__ = _binary(lambda a, b: a % b)
+    __pow__, __rpow__ = _binary(lambda a, b: a**b)
+    __and__, __rand__ = _binary(lambda a, b: a & b)
+    __or__, __ror__ = _binary(lambda a, b: a | b)
+    __lt__, __gt__ = _binary(lambda a, b: a < b, integer=False)
+    __le__, __ge__ = _binary(lambda a, b: a <= b, integer=False)
+    __eq__, _ = _binary(lambda a, b: a == b, integer=False)  # type: ignore[assignment]
+    __ne__, _ = _binary(lambda a, b: a != b, integer=False)  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]
+
+    def __truediv__(self, other):
+        a, b, _ = self._pair(float(other) if isinstance(other, int) else other)
+        return NotImplemented if a is NotImplemented else self.ops.cast(a, self.like) / b
+
+    def __rtruediv__(self, other):
+        a, b, _ = self._pair(float(other) if isinstance(other, int) else other)
+        return NotImplemented if a is NotImplemented else b / self.ops.cast(a, self.like)
+
+    def __neg__(self):
+        return Index(-self.ints, self.ops, self.like)
+
+    def __abs__(self):
+        return Index(abs(self.ints), self.ops, self.like)
+
+    # the frameworks' conversions, so that a captured tensor can be indexed with them
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.ops.host_values(self.ints), dtype=dtype)
+
+    def __tf_tensor__(self, dtype: Any = None, name: Any = None) -> Tensor:
+        return self.ints
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return func(*_native(args), **_native(kwargs or {}))
+
+
+def _native(x: Any) -> Any:
+    """x with every ``Index`` in it (nested in tuples, lists and dicts) as its integer array."""
+    if isinstance(x, Index):
+        return x.ints
+    if isinstance(x, (tuple, list)):
+        return type(x)(_native(y) for y in x)
+    if isinstance(x, dict):
+        return {k: _native(v) for k, v in x.items()}
+    return x
 
 
 # -- the functions as the core evaluates them ------------------------------------------------
@@ -108,6 +231,10 @@ class MaskFunction:
         the plan to leave the other blocks unexamined; None: any key may be seen."""
         return None
 
+    def check_sizes(self, batch: Any, n_queries: Any, n_keys: Any) -> None:
+        """ValueError naming this function where the arrays it holds do not cover a call's
+        (batch, queries, keys) (None: unknown, traced)."""
+
 
 class _UserMask(MaskFunction):
     def __init__(self, fn: Callable[..., Tensor]) -> None:
@@ -136,6 +263,8 @@ def positions(ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch:
     k = ops.positions(k0, k1, like)
     for _ in range(3):
         k = ops.expand_dims(k, 0)
+    if ops.wrapped_positions:
+        return tuple(Index(x, ops, like) for x in (b, h, q, k))
     return b, h, q, k
 
 
@@ -148,23 +277,43 @@ def _to_rank(ops: Ops, x: Tensor, heads: Optional[int]) -> Tensor:
 
 def call_with_positions(ops, fn, like, heads, block, batch) -> Tensor:
     mask = fn(*positions(ops, like, heads, block, batch))
-    if framework_of(mask) is None or ops.dtype_kind(mask) != "b":
+    if framework_of(mask) != ops.name or ops.dtype_kind(mask) != "b":
+        got = f"{_kind(mask)} ({getattr(mask, 'dtype', type(mask).__name__)})"
         raise TypeError(
-            f"mask_mod must return a boolean array of the backend (broadcastable to the scores), got "
-            f"{getattr(mask, 'dtype', type(mask).__name__)}"
+            f"mask_mod must return booleans (True: may attend), an array of the backend broadcastable "
+            f"to the scores, got {got}" + ("; score_mod is the function of scores" if _numeric(mask) else "")
         )
     return _to_rank(ops, mask, heads)
 
 
 def apply_score_mod(ops: Ops, score_mod: Callable, scores: Tensor, block: Block, batch: int) -> Tensor:
-    """score_mod on a block of scores (B, [H,] bq, bk) whose queries and keys start at q0, k0."""
+    """score_mod on a block of scores (B, [H,] bq, bk) whose queries and keys start at q0, k0;
+    its answer in the scores' dtype (Python's promotion may have widened it)."""
     heads = ops.shape(scores)[1] if len(ops.shape(scores)) == 4 else None
     four = scores if heads is not None else ops.expand_dims(scores, 1)
     b, h, q, k = positions(ops, scores, heads, block, batch)
     out = score_mod(four, b, h, q, k)
-    if framework_of(out) is None:
-        raise TypeError(f"score_mod must return an array of the backend, got {type(out).__name__}")
+    if framework_of(out) != ops.name or ops.dtype_kind(out) != "f":
+        got = f"{_kind(out)} ({getattr(out, 'dtype', type(out).__name__)})"
+        raise TypeError(
+            f"score_mod must return scores, a floating array of the backend broadcastable to the "
+            f"scores, got {got}" + ("; mask_mod is the function of booleans" if "bool" in got else "")
+        )
+    if out.dtype != scores.dtype:
+        out = ops.cast(out, scores)
     return _to_rank(ops, out, heads)
+
+
+def _kind(x: Any) -> str:
+    if isinstance(x, Index):
+        return "integer positions"
+    if framework_of(x) is None:
+        return f"a {type(x).__name__}"
+    return "booleans" if "bool" in str(x.dtype) else "numbers"
+
+
+def _numeric(x: Any) -> bool:
+    return isinstance(x, Index) or (framework_of(x) is not None and "bool" not in str(x.dtype))
 
 
 # -- ready-made masks ------------------------------------------------------------------------
@@ -226,7 +375,8 @@ class prefix_lm(MaskFunction):
             n = int(self.n)
         else:  # one per sequence: (B, 1, 1, 1)
             ops = _ops_of(q_idx)
-            n = ops.cast(ops.constant(self.n.reshape(-1, 1, 1, 1), q_idx), q_idx)
+            ints = _native(q_idx)
+            n = ops.cast(ops.constant(self.n.reshape(-1, 1, 1, 1), ints), ints)
         return logical_or(kv_idx <= q_idx, kv_idx < n)
 
     def classify(self, ops, block):
@@ -253,6 +403,20 @@ class document(MaskFunction):
 
     def __call__(self, b, h, q_idx, kv_idx):
         raise TypeError("document(ids) is evaluated by multiattn's calls; it takes no index arrays")
+
+    def check_sizes(self, batch, n_queries, n_keys):
+        pairs = (("q_ids", self.q_ids, n_queries, "queries"), ("kv_ids", self.kv_ids, n_keys, "keys"))
+        if self.kv_ids is self.q_ids:
+            pairs = (("ids", self.q_ids, n_queries, "queries"),) + (
+                (("ids", self.q_ids, n_keys, "keys"),) if n_keys != n_queries else ()
+            )
+        for arg, ids, n, what in pairs:
+            shape = tuple(getattr(ids, "shape", np.shape(ids)))
+            if len(shape) != 2 or not _fits(shape[0], batch) or not _fits(shape[1], n):
+                raise ValueError(
+                    f"document's {arg} must have shape ({batch}, {n}) (batch, {what}): one document id "
+                    f"per position, got shape {shape}"
+                )
 
     def values(self, ops, like, heads, block, batch):
         q0, q1, k0, k1 = block
@@ -300,6 +464,10 @@ class document(MaskFunction):
         return "document(ids)"
 
 
+def _fits(size: Any, expected: Any) -> bool:
+    return size is None or expected is None or int(size) == int(expected)
+
+
 class and_masks(MaskFunction):
     """Visible iff every one of the mask functions shows the key."""
 
@@ -313,6 +481,10 @@ class and_masks(MaskFunction):
         for fn in self.fns[1:]:
             found = logical_and(found, fn(b, h, q_idx, kv_idx))
         return found
+
+    def check_sizes(self, batch, n_queries, n_keys):
+        for fn in self.fns:
+            fn.check_sizes(batch, n_queries, n_keys)
 
     def values(self, ops, like, heads, block, batch):
         found = None
@@ -364,6 +536,10 @@ class or_masks(MaskFunction):
         for fn in self.fns[1:]:
             found = logical_or(found, fn(b, h, q_idx, kv_idx))
         return found
+
+    def check_sizes(self, batch, n_queries, n_keys):
+        for fn in self.fns:
+            fn.check_sizes(batch, n_queries, n_keys)
 
     def values(self, ops, like, heads, block, batch):
         found = None
@@ -430,7 +606,7 @@ class alibi:
         if ops.shape(slopes)[0] != heads:
             raise ValueError(f"alibi has {ops.shape(slopes)[0]} slopes for scores with {heads} heads")
         slopes = ops.expand_dims(ops.expand_dims(ops.expand_dims(slopes, -1), -1), 0)  # (1, H, 1, 1)
-        return score + ops.cast(slopes, score) * ops.cast(kv_idx - q_idx, score)
+        return score + ops.cast(slopes, score) * ops.cast(_native(kv_idx - q_idx), score)
 
     def __repr__(self) -> str:
         return "alibi(slopes)"

@@ -133,6 +133,11 @@ class Primitives:
         """The integers start .. stop - 1, 1-D, in an integer dtype, on like's device."""
         raise NotImplementedError
 
+    # whether score and mask functions get ``mods.Index`` over ``positions``: where the
+    # framework's integers times a Python float raise (tensorflow, the strict Array API), give
+    # integers (mxnet) or are computed in float32 (torch), so that ``0.1 * i`` is what Python says
+    wrapped_positions: bool = False
+
     def constant(self, values: Any, like: Tensor) -> Tensor:
         """A tensor of the numpy array's values (its kind: integers stay integers, floats stay
         floating), on like's device."""

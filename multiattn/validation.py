@@ -3,6 +3,9 @@ expected and the actual value.  Framework-free, through ``protocol.Ops``."""
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import numbers
 import re
@@ -366,14 +369,61 @@ def check_flag(arg: str, value: Any) -> None:
         raise TypeError(f"{arg} must be True or False, got {value!r}")
 
 
-def with_mods(score_mod: Any, mask_mod: Any, masks: Masks) -> tuple:
-    """(score_mod, the masks with mask_mod), each checked: a function or None."""
+MOD_ARGUMENTS = {"score_mod": "score, b, h, q_idx, kv_idx", "mask_mod": "b, h, q_idx, kv_idx"}
+
+
+def with_mods(score_mod: Any, mask_mod: Any, masks: Masks, sizes: Optional[tuple] = None) -> tuple:
+    """(score_mod, the masks with mask_mod), each checked: a function of its arguments, or None;
+    sizes (batch, queries, keys): what a mask function holding arrays must cover."""
     for arg, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
-        if fn is not None and not callable(fn):
+        if fn is None:
+            continue
+        if not callable(fn):
             raise TypeError(f"{arg} must be a function ({arg}(...) as in multiattn.mods) or None, got {fn!r}")
+        check_arity(arg, fn)
     if mask_mod is None:
         return score_mod, masks
-    return score_mod, Masks(masks.valid_lens, masks.attention_mask, masks.causal, as_mask_function(mask_mod))
+    mask_mod = as_mask_function(mask_mod)
+    if sizes is not None:
+        mask_mod.check_sizes(*sizes)
+    return score_mod, Masks(masks.valid_lens, masks.attention_mask, masks.causal, mask_mod)
+
+
+def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
+    """(batch, queries, keys) of a call, for ``with_mods``."""
+    q_shape = ops.shape(queries)
+    return q_shape[0], q_shape[-2], ops.shape(keys)[-2]
+
+
+def check_arity(arg: str, fn: Any) -> None:
+    """That fn can be called with the arguments of its kind (``MOD_ARGUMENTS``)."""
+    try:
+        problem = _arity_problem(arg, fn)
+    except TypeError:  # unhashable: checked each time
+        problem = _arity_problem.__wrapped__(arg, fn)
+    if problem:
+        raise TypeError(problem)
+
+
+@functools.lru_cache(maxsize=256)
+def _arity_problem(arg: str, fn: Any) -> Optional[str]:
+    names = MOD_ARGUMENTS[arg]
+    count = names.count(",") + 1
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or extension: not known
+        return None
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        other = next((o for o, n in MOD_ARGUMENTS.items() if o != arg and n.count(",") + 1 == len(params)), None)
+        hint = f"; it looks like a {other}" if other else ""
+        return (
+            f"{arg} must take {count} arguments ({names}), got a function of {len(params)} "
+            f"({', '.join(p.name for p in params)}){hint}"
+        )
+    return None
 
 
 def check_block_size(block_size: Any, return_weights: Any) -> Any:
@@ -510,3 +560,41 @@ def multi_head_call(
     check_num_heads(num_heads, num_hiddens)
     scores_shape = (q_shape[0], num_heads, q_shape[1], k_shape[1])
     return gather_masks(ops, valid_lens, attention_mask, causal, scores_shape)
+
+
+# -- keywords of other libraries ----------------------------------------------------------
+
+FOREIGN_KEYWORDS = {
+    "attn_mask": "use attention_mask= (boolean, True: may attend, SDPA's boolean polarity; a float mask "
+    "that adds to the scores is a score_mod=)",
+    "mask": "use attention_mask= (boolean, True: may attend)",
+    "key_padding_mask": "use valid_lens (lengths) or attention_mask= (True: may attend, the opposite of "
+    "torch.nn.MultiheadAttention's key_padding_mask)",
+    "is_causal": "use causal=",
+    "use_causal_mask": "use causal=",
+    "block_mask": "use mask_mod= with causal= and valid_lens: the masks themselves, skipped block by block",
+    "enable_gqa": "drop it: grouped heads are read from the shapes (keys and values with fewer heads)",
+    "need_weights": "use return_weights=",
+    "return_attention_scores": "use return_weights=",
+    "softmax_scale": "use scale=",
+    "sm_scale": "use scale=",
+    "dropout_p": "use the layers' dropout (DotProductAttention(dropout=...))",
+    "lengths": "use valid_lens",
+    "valid_length": "use valid_lens",
+}
+
+
+def unknown_keywords(function: str, unknown: dict, accepted: Any) -> None:
+    """TypeError for keywords a function does not take: the name it has here for another
+    library's keyword, or the closest of its own."""
+    name = next(iter(unknown))
+    message = f"{function}() got an unexpected keyword argument {name!r}"
+    if name in FOREIGN_KEYWORDS:
+        message += f"; {FOREIGN_KEYWORDS[name]}"
+    else:
+        close = difflib.get_close_matches(name, list(accepted), n=1, cutoff=0.6)
+        if close:
+            message += f"; did you mean {close[0]!r}?"
+        else:
+            message += f"; it takes {', '.join(accepted)}"
+    raise TypeError(message)

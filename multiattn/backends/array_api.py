@@ -103,6 +103,8 @@ class ArrayApiOps(Ops):
             condition, x, y if hasattr(y, "shape") else xp.asarray(y, dtype=x.dtype, device=device(x))
         )
 
+    wrapped_positions = True  # the standard leaves int * float undefined; strict refuses it
+
     def positions(self, start, stop, like):
         return array_namespace(like).arange(start, stop, device=device(like))
 

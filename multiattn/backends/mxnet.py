@@ -141,6 +141,8 @@ class MxnetOps(Ops):
             condition, x, y if isinstance(y, np.ndarray) else np.array(y, dtype=x.dtype, ctx=x.ctx)
         )
 
+    wrapped_positions = True  # int64 * 0.1 gives integers
+
     def positions(self, start, stop, like):
         return np.arange(start, stop, dtype="int64", ctx=like.ctx)
 

@@ -129,6 +129,8 @@ class TensorFlowOps(Ops):
         x = x if tf.is_tensor(x) else tf.constant(x, dtype=y.dtype)
         return tf.where(condition, x, y if tf.is_tensor(y) else tf.constant(y, dtype=x.dtype))
 
+    wrapped_positions = True  # tf.int32 * 0.1 raises
+
     def positions(self, start, stop, like):
         return tf.range(start, stop)
 

@@ -165,6 +165,8 @@ class TorchOps(Ops):
     def select(self, condition, x, y):
         return torch.where(condition, x, y)
 
+    wrapped_positions = True  # int64 * 0.1 is float32, whatever the scores
+
     def positions(self, start, stop, like):
         return torch.arange(start, stop, device=like.device)
 

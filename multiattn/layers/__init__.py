@@ -206,7 +206,9 @@ class AttentionCall:
         masks = validation.dot_product_call(
             self._ops, queries, keys, values, valid_lens, attention_mask, causal
         )
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(self._ops, queries, keys)
+        )
         return core.dot_product_attention(
             self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights,
             score_mod=score_mod,
@@ -232,7 +234,9 @@ class AttentionCall:
         masks = validation.additive_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, self.query_size, self.key_size
         )
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(self._ops, queries, keys)
+        )
         return core.additive_attention(
             ops, queries, keys, values, masks,
             project_q=self._project("q", queries), project_k=self._project("k", queries),
@@ -258,7 +262,9 @@ class AttentionCall:
             self.num_hiddens,
             sizes,
         )
-        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks)
+        score_mod, masks = validation.with_mods(
+            score_mod, mask_mod, masks, validation.mod_sizes(self._ops, queries, keys)
+        )
         return core.multi_head_attention(
             self._ops, queries, keys, values, masks,
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
