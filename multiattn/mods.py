@@ -70,6 +70,20 @@ def logical_or(a: Tensor, b: Tensor) -> Tensor:
     return _ops_of(a, b).select(*_native((a, True, b)))
 
 
+def take(table: Tensor, *indices: Any) -> Tensor:
+    """table[i, j, ...] elementwise, the index arrays (positions, or integer arrays of the
+    backend) broadcast together, one per axis of table: ``table[q_idx - kv_idx]`` on torch,
+    numpy or jax, on every backend (tensorflow and the Array API index arrays by take)."""
+    ops = _ops_of(table)
+    shape = ops.shape(table)
+    if len(indices) != len(shape):
+        raise ValueError(f"take needs one index array per axis of table, {len(shape)}, got {len(indices)}")
+    linear = _native(indices[0])
+    for size, index in zip(shape[1:], indices[1:]):
+        linear = linear * size + _native(index)
+    return ops.take(ops.reshape(table, (-1,)), linear)
+
+
 def _on(ops: Ops, x: Any, like: Tensor) -> Tensor:
     """x as a tensor of ops' backend: itself, or its values (numbers, numpy, another's)."""
     return x if framework_of(x) == ops.name else ops.constant(np.asarray(x), like)
@@ -81,11 +95,12 @@ def _on(ops: Ops, x: Any, like: Tensor) -> Tensor:
 class Index:
     """Integer positions (b, h, q_idx, kv_idx) handed to score and mask functions where the
     framework's integer arrays do not mix with Python floats as Python's ints do (``Ops.
-    wrapped_positions``: tensorflow and the strict Array API refuse ``0.1 * i``, mxnet gives
-    integers, torch computes it in float32).  Integer arithmetic stays integer; with a float
+    mod_positions``: tensorflow and the strict Array API refuse ``0.1 * i``, torch computes it
+    in float32).  Integer arithmetic stays integer; with a float
     (a Python float or a float array) the positions are cast to the scores' dtype first, so
     ``s + 0.1 * (q_idx - kv_idx)`` is computed as Python would; comparisons give the
-    framework's booleans; indexing a captured torch tensor, ``tf.gather`` and numpy take it."""
+    framework's booleans; a captured torch tensor indexed by them, ``tf.gather`` and ``take``
+    take them."""
 
     __slots__ = ("ints", "ops", "like")
 
@@ -263,9 +278,7 @@ def positions(ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch:
     k = ops.positions(k0, k1, like)
     for _ in range(3):
         k = ops.expand_dims(k, 0)
-    if ops.wrapped_positions:
-        return tuple(Index(x, ops, like) for x in (b, h, q, k))
-    return b, h, q, k
+    return tuple(ops.mod_positions(x, like) for x in (b, h, q, k))
 
 
 def _to_rank(ops: Ops, x: Tensor, heads: Optional[int]) -> Tensor:
@@ -306,7 +319,7 @@ def apply_score_mod(ops: Ops, score_mod: Callable, scores: Tensor, block: Block,
 
 def _kind(x: Any) -> str:
     if isinstance(x, Index):
-        return "integer positions"
+        return "numbers"
     if framework_of(x) is None:
         return f"a {type(x).__name__}"
     return "booleans" if "bool" in str(x.dtype) else "numbers"

@@ -133,10 +133,16 @@ class Primitives:
         """The integers start .. stop - 1, 1-D, in an integer dtype, on like's device."""
         raise NotImplementedError
 
-    # whether score and mask functions get ``mods.Index`` over ``positions``: where the
-    # framework's integers times a Python float raise (tensorflow, the strict Array API), give
-    # integers (mxnet) or are computed in float32 (torch), so that ``0.1 * i`` is what Python says
-    wrapped_positions: bool = False
+    def mod_positions(self, positions: Tensor, like: Tensor) -> Any:
+        """What score and mask functions get for ``positions`` in calls on like's dtype: the
+        integers themselves, or where the framework's integers times a Python float raise
+        (tensorflow, the strict Array API), give integers (mxnet) or float32 (torch), positions
+        that do what Python says (``mods.Index``, or floats where they index)."""
+        return positions
+
+    def take(self, x: Tensor, indices: Tensor) -> Tensor:
+        """x (n,) at integer indices of any shape: x[indices]."""
+        return x[indices]
 
     def constant(self, values: Any, like: Tensor) -> Tensor:
         """A tensor of the numpy array's values (its kind: integers stay integers, floats stay

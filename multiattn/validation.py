@@ -4,7 +4,6 @@ expected and the actual value.  Framework-free, through ``protocol.Ops``."""
 from __future__ import annotations
 
 import difflib
-import functools
 import inspect
 import math
 import numbers
@@ -398,14 +397,22 @@ def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
 def check_arity(arg: str, fn: Any) -> None:
     """That fn can be called with the arguments of its kind (``MOD_ARGUMENTS``)."""
     try:
+        problem = _ARITY_CHECKED[arg, fn]
+    except (KeyError, TypeError):  # not seen, or unhashable
         problem = _arity_problem(arg, fn)
-    except TypeError:  # unhashable: checked each time
-        problem = _arity_problem.__wrapped__(arg, fn)
+        if len(_ARITY_CHECKED) > 256:
+            _ARITY_CHECKED.clear()
+        try:
+            _ARITY_CHECKED[arg, fn] = problem
+        except TypeError:
+            pass
     if problem:
         raise TypeError(problem)
 
 
-@functools.lru_cache(maxsize=256)
+_ARITY_CHECKED: dict = {}  # (kind, function) -> its problem or None: signature() costs some 10 us
+
+
 def _arity_problem(arg: str, fn: Any) -> Optional[str]:
     names = MOD_ARGUMENTS[arg]
     count = names.count(",") + 1

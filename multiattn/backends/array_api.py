@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 from array_api_compat import array_namespace, device
 
+from .. import mods
 from ..functional import bind
 from ..protocol import Ops
 
@@ -103,7 +104,12 @@ class ArrayApiOps(Ops):
             condition, x, y if hasattr(y, "shape") else xp.asarray(y, dtype=x.dtype, device=device(x))
         )
 
-    wrapped_positions = True  # the standard leaves int * float undefined; strict refuses it
+    def take(self, x, indices):
+        xp = array_namespace(x)
+        return xp.reshape(xp.take(x, xp.reshape(indices, (-1,))), indices.shape)
+
+    def mod_positions(self, positions, like):
+        return mods.Index(positions, self, like)  # the standard leaves int * float undefined; strict refuses it
 
     def positions(self, start, stop, like):
         return array_namespace(like).arange(start, stop, device=device(like))

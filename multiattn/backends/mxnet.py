@@ -141,7 +141,9 @@ class MxnetOps(Ops):
             condition, x, y if isinstance(y, np.ndarray) else np.array(y, dtype=x.dtype, ctx=x.ctx)
         )
 
-    wrapped_positions = True  # int64 * 0.1 gives integers
+    def mod_positions(self, positions, like):
+        # int64 * 0.1 gives integers; mxnet indexes with floats, exact as integers in float32
+        return positions.astype(self.widen(like).dtype)
 
     def positions(self, start, stop, like):
         return np.arange(start, stop, dtype="int64", ctx=like.ctx)

@@ -37,6 +37,7 @@ if (
         "use multiattn's backend of that framework, or set KERAS_BACKEND=tensorflow"
     )
 
+from .. import mods  # noqa: E402
 from ..functional import bind  # noqa: E402
 from ..protocol import Ops, layer_exports, per_row  # noqa: E402
 
@@ -129,7 +130,11 @@ class TensorFlowOps(Ops):
         x = x if tf.is_tensor(x) else tf.constant(x, dtype=y.dtype)
         return tf.where(condition, x, y if tf.is_tensor(y) else tf.constant(y, dtype=x.dtype))
 
-    wrapped_positions = True  # tf.int32 * 0.1 raises
+    def take(self, x, indices):
+        return tf.gather(x, indices)
+
+    def mod_positions(self, positions, like):
+        return mods.Index(positions, self, like)  # tf.int32 * 0.1 raises
 
     def positions(self, start, stop, like):
         return tf.range(start, stop)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
-from .. import blockwise, fast_paths
+from .. import blockwise, fast_paths, mods
 from .._machine import l2_cache_bytes, measured_faster
 from ..functional import bind
 from ..protocol import Ops, dtype_kind_by_dtype, layer_exports
@@ -165,7 +165,8 @@ class TorchOps(Ops):
     def select(self, condition, x, y):
         return torch.where(condition, x, y)
 
-    wrapped_positions = True  # int64 * 0.1 is float32, whatever the scores
+    def mod_positions(self, positions, like):
+        return mods.Index(positions, self, like)  # int64 * 0.1 is float32, whatever the scores
 
     def positions(self, start, stop, like):
         return torch.arange(start, stop, device=like.device)
