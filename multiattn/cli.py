@@ -42,9 +42,19 @@ def _tolerance(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"tolerance {value!r} is not a number") from None
 
 
-def _progress(message: str) -> None:
+_IN_PLACE = [0]  # the length of the line shown in place, to clear (0: none)
+
+
+def _progress(message: str, in_place: bool = False) -> None:
+    """A line on stderr; in_place: one the next line replaces, shown on a terminal only."""
     sys.stdout.flush()  # what was printed before stays before it where both streams go to one log
-    print(message, file=sys.stderr, flush=True)
+    terminal = sys.stderr.isatty()
+    if in_place and not terminal:
+        return
+    clear = "\r" + " " * _IN_PLACE[0] + "\r" if _IN_PLACE[0] else ""
+    _IN_PLACE[0] = len(message) if in_place else 0
+    sys.stderr.write(clear + message + ("" if in_place else "\n"))
+    sys.stderr.flush()
 
 
 def _finish(results: Dict[str, dict], seed: int, args: argparse.Namespace) -> int:

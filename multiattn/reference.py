@@ -121,18 +121,24 @@ def dot_product_attention(
     causal: bool = False,
     softcap: Optional[float] = None,
 ) -> dict:
+    """3-D (B, n, d), or 4-D (B, H, n, d) with keys and values of H_kv heads, query head i
+    using key/value head i // (H / H_kv)."""
     q, k, v = (np.asarray(a, dtype=np.float64) for a in (queries, keys, values))
+    group = q.shape[1] // k.shape[1] if q.ndim == 4 else 1
+    # each key/value head repeated for the query heads of its group (here, where speed is no concern)
+    k, v = (np.repeat(a, group, axis=1) for a in (k, v)) if group > 1 else (k, v)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores, slope = _capped(np.einsum("bqd,bkd->bqk", q, k) * scale, softcap)
+    scores, slope = _capped(q @ np.swapaxes(k, -1, -2) * scale, softcap)
     weights = masked_softmax(scores, valid_lens, attention_mask, causal)
     result: dict = {"out": weights @ v, "weights": weights}
     if cotangent is not None:
         g = np.asarray(cotangent, dtype=np.float64)
-        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, 1, 2)) * slope
+        d_scores = _softmax_backward(weights, g @ np.swapaxes(v, -1, -2)) * slope
+        d_k, d_v = np.swapaxes(d_scores, -1, -2) @ q * scale, np.swapaxes(weights, -1, -2) @ g
         result["grads"] = {
             "queries": d_scores @ k * scale,
-            "keys": np.swapaxes(d_scores, 1, 2) @ q * scale,
-            "values": np.swapaxes(weights, 1, 2) @ g,
+            "keys": _group_sums(d_k, group) if group > 1 else d_k,
+            "values": _group_sums(d_v, group) if group > 1 else d_v,
         }
     return result
 

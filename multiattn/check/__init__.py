@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from typing import Callable, Dict, List, Optional
 
 from .._registry import BACKENDS
@@ -42,20 +43,38 @@ def installed_backends() -> List[str]:
 WORKER_COMMAND = [sys.executable, "-m", "multiattn.check.worker"]
 
 
-def _run_isolated(name: str, seed: int, timeout: float, against: Optional[List[str]] = None) -> dict:
-    """One worker subprocess; ``against``: [SPEC, KIND, DTYPES or "-", flags...] for `--against`."""
-    with tempfile.TemporaryDirectory() as tmp:
+def _run_isolated(
+    name: str,
+    seed: int,
+    timeout: float,
+    against: Optional[List[str]] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+) -> dict:
+    """One worker subprocess; ``against``: [SPEC, KIND, DTYPES or "-", flags...] for `--against`;
+    progress(cases done, cases) as the worker reports them."""
+    with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryFile("w+") as errors:
         out = os.path.join(tmp, f"{name}.npz")
         if against:
             cmd = [*WORKER_COMMAND, "--against", against[0], against[1], name, str(seed), out, *against[2:]]
         else:
             cmd = [*WORKER_COMMAND, name, str(seed), out]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=errors, text=True)
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+            for line in proc.stdout:  # the worker's "progress DONE TOTAL" lines
+                words = line.split()
+                if progress and len(words) == 3 and words[0] == "progress":
+                    progress(int(words[1]), int(words[2]))
+            proc.wait()
+        finally:
+            timed_out = not timer.is_alive()
+            timer.cancel()
+        if timed_out and proc.returncode != 0:
             return {"version": "?", "status": f"failed: no result within {timeout:.0f} s", "cases": {}}
         if proc.returncode != 0 or not os.path.exists(out):
-            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            errors.seek(0)
+            tail = (errors.read().strip().splitlines() or ["no output"])[-1]
             how = f"killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exit {proc.returncode}"
             if proc.returncode == -11:
                 how += " (segmentation fault)"
@@ -67,17 +86,29 @@ def run_check(
     backends: List[str],
     seed: int = 0,
     in_process: bool = False,
-    progress: Optional[Callable[[str], None]] = None,
+    progress: Optional[Callable[..., None]] = None,
     timeout: float = 600.0,
 ) -> Dict[str, dict]:
-    """Results of every backend: each in its own subprocess unless in_process."""
+    """Results of every backend: each in its own subprocess unless in_process.  progress(message,
+    in_place=False): a line to show; in_place, one that the next replaces (the rows done)."""
     results = {}
+    n_rows = len(rows_of(make_cases(seed)))
     for i, name in enumerate(backends, 1):
+        prefix = f"[{i}/{len(backends)}] {name}"
+
+        shown = [-1]
+
+        def rows_done(done: int, total: int, prefix: str = prefix, shown: list = shown) -> None:
+            rows = done * n_rows // total
+            if progress and rows != shown[0]:
+                shown[0] = rows
+                progress(f"{prefix}: {rows}/{n_rows} rows", in_place=True)
+
         if progress:
-            progress(f"[{i}/{len(backends)}] {name}: importing and running {len(make_cases(seed))} cases ...")
+            progress(f"{prefix}: importing and running its {n_rows} rows ...")
         if in_process:
             try:
-                results[name] = worker.run_backend(name, seed)
+                results[name] = worker.run_backend(name, seed, rows_done)
             except Exception as err:
                 results[name] = {
                     "version": "?",
@@ -85,10 +116,15 @@ def run_check(
                     "cases": {},
                 }
         else:
-            results[name] = _run_isolated(name, seed, timeout)
+            results[name] = _run_isolated(name, seed, timeout, progress=rows_done)
         if progress:
-            progress(f"[{i}/{len(backends)}] {name}: {results[name]['status']}")
+            progress(f"{prefix}: {results[name]['status']}")
     return results
+
+
+def rows_of(cases: list) -> set:
+    """The table's rows a battery fills, one per function and dtype."""
+    return {(case.function, case.dtype) for case in cases}
 
 
 def run_against(

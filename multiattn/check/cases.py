@@ -14,7 +14,7 @@ import numpy as np
 
 from .. import reference
 
-FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head", "grouped")
+FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head", "grouped", "dot_product_4d")
 MASKS = ("none", "1d", "2d", "mask", "causal", "all")
 # score and mask functions (``multiattn.mods``), ANDed with the masks of MOD_ARGS
 MOD_MASKS = ("window", "document", "softcap")
@@ -25,6 +25,9 @@ MULTI_HEAD_HIDDENS, NUM_HEADS = 4, 2  # multi-head attention: 2 heads of 2 colum
 # grouped-query attention: 4 query heads of 1 column sharing 2 key/value heads, with biases
 # (num_hiddens = the query width, as Keras' GroupQueryAttention needs)
 GROUPED_HIDDENS, GROUPED_HEADS, GROUPED_KV_HEADS = 4, 4, 2
+# dot-product attention in 4-D, torch SDPA's layout: queries (B, 4, Q, d) over keys and values
+# of 2 heads (grouped), the (B, Q, K) masks shared by the heads
+HEADS_4D, KV_HEADS_4D = 4, 2
 # Lengths with a fully masked row, a negative and an over-long length.
 LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
 # A boolean mask (True: may attend) with a fully masked row, alone and with lengths and causality.
@@ -143,8 +146,14 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
     for n, width in zip("qkvo", (WIDTH, KEY_WIDTH, VALUE_WIDTH, h)):
         raw["grouped_W_" + n] = rng.normal(size=(rows[n], width)) * 0.5
         raw["grouped_b_" + n] = rng.normal(size=(rows[n],)) * 0.5
+    # drawn last, so that the other functions' cases stay those of earlier versions
+    raw["queries_4d"] = rng.normal(size=(BATCH, HEADS_4D, QUERIES, WIDTH))
+    raw["keys_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, KEYS, WIDTH))
+    raw["values_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, KEYS, VALUE_WIDTH))
+    cotangents["dot_product_4d"] = rng.normal(size=(BATCH, HEADS_4D, QUERIES, VALUE_WIDTH))
     names = {
         "masked_softmax": {"X": "X"},
+        "dot_product_4d": {"queries": "queries_4d", "keys": "keys_4d", "values": "values_4d"},
         "dot_product": {"queries": "queries", "keys": "keys", "values": "values"},
         "additive": {
             "queries": "queries",
@@ -208,7 +217,7 @@ def expected(case: Case) -> dict:
     masks = dict(attention_mask=attention_mask, causal=case.causal, softcap=case.softcap)
     if case.function == "masked_softmax":
         return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent, **masks)
-    if case.function == "dot_product":
+    if case.function in ("dot_product", "dot_product_4d"):
         return reference.dot_product_attention(
             args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent, **masks
         )

@@ -35,7 +35,7 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
             weights = module.masked_softmax(X, lens, **masks)
             return weights, weights
 
-    elif case.function == "dot_product":
+    elif case.function in ("dot_product", "dot_product_4d"):
 
         def run(q, k, v):
             return module.dot_product_attention(q, k, v, lens, return_weights=True, **masks)
@@ -94,13 +94,17 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     return result
 
 
-def run_backend(name: str, seed: int) -> Dict[str, Any]:
-    """{"version", "status", "cases": {case name: {"status", "out", "weights", "grads"}}}."""
+def run_backend(name: str, seed: int, progress: Callable[[int, int], None] = None) -> Dict[str, Any]:
+    """{"version", "status", "cases": {case name: {"status", "out", "weights", "grads"}}};
+    progress(cases done, cases) after each case."""
     module = get_backend(name)
     if hasattr(module, "enable_float64"):  # the float64 cases need it (jax: jax_enable_x64)
         module.enable_float64()
     results: Dict[str, Any] = {"version": framework_version(name), "status": "ok", "cases": {}}
-    for case in make_cases(seed):
+    cases = make_cases(seed)
+    for done, case in enumerate(cases):
+        if progress:
+            progress(done, len(cases))
         if case.dtype not in module.SUPPORTED_DTYPES:
             why = module.DTYPE_NOTES.get(case.dtype, f"{name} has no {case.dtype}")
             if isinstance(why, dict):  # what this case itself needs
@@ -123,7 +127,7 @@ def main(argv: list) -> int:
         return _main_native(argv[1:])
     name, seed, out = argv[0], int(argv[1]), argv[2]
     try:
-        results = run_backend(name, seed)
+        results = run_backend(name, seed, lambda done, total: print(f"progress {done} {total}", flush=True))
     except BaseException as err:  # report why the backend could not run at all
         message = f"{type(err).__name__}: {err}"
         print(traceback.format_exc(), file=sys.stderr)
