@@ -65,7 +65,12 @@ def masked_softmax(
     on X (``multiattn.mods``)."""
     name = framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
     return get_backend(name).masked_softmax(
-        X, valid_lens, attention_mask=attention_mask, causal=causal, score_mod=score_mod, mask_mod=mask_mod,
+        X,
+        valid_lens,
+        attention_mask=attention_mask,
+        causal=causal,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         **unknown,
     )
 

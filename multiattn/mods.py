@@ -119,7 +119,9 @@ class Index:
         return f"Index({self.ints!r})"
 
     def __bool__(self) -> bool:
-        raise TypeError("positions are arrays: combine conditions with mods.where / logical_and, not if/and/or")
+        raise TypeError(
+            "positions are arrays: combine conditions with mods.where / logical_and, not if/and/or"
+        )
 
     def _pair(self, other: Any) -> tuple:
         """(self, other) as arrays of one kind: ints where other is an int or integer array,

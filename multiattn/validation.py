@@ -423,8 +423,12 @@ def _arity_problem(arg: str, fn: Any) -> Optional[str]:
     try:
         signature.bind(*range(count))
     except TypeError:
-        params = [p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        other = next((o for o, n in MOD_ARGUMENTS.items() if o != arg and n.count(",") + 1 == len(params)), None)
+        params = [
+            p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        other = next(
+            (o for o, n in MOD_ARGUMENTS.items() if o != arg and n.count(",") + 1 == len(params)), None
+        )
         hint = f"; it looks like a {other}" if other else ""
         return (
             f"{arg} must take {count} arguments ({names}), got a function of {len(params)} "

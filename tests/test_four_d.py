@@ -33,7 +33,11 @@ CASES = {
 
 def _inputs(kv_heads, seed, q=Q, k=K):
     rng = np.random.default_rng(seed)
-    return rng.normal(size=(B, H, q, D)), rng.normal(size=(B, kv_heads, k, D)), rng.normal(size=(B, kv_heads, k, 2))
+    return (
+        rng.normal(size=(B, H, q, D)),
+        rng.normal(size=(B, kv_heads, k, D)),
+        rng.normal(size=(B, kv_heads, k, 2)),
+    )
 
 
 def _as(bk, kw):
@@ -71,9 +75,15 @@ def mod_cases(bk):
     slopes = mods.alibi_slopes(H)
     return {
         "sliding_window+causal": (dict(mask_mod=mods.sliding_window(3), causal=True), _window, None),
-        "prefix_lm": (dict(mask_mod=mods.prefix_lm(np.array([2, 4]))), lambda b, h, i, j: j <= i or j < [2, 4][b], None),
-        "document": (dict(mask_mod=mods.document(bk.tensor(IDS))), lambda b, h, i, j: IDS[b, i] == IDS[b, j], None),
-        "alibi+window": (dict(score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(3)), _window, _alibi(slopes)),
+        "prefix_lm": (
+            dict(mask_mod=mods.prefix_lm(np.array([2, 4]))), lambda b, h, i, j: j <= i or j < [2, 4][b], None
+        ),
+        "document": (
+            dict(mask_mod=mods.document(bk.tensor(IDS))), lambda b, h, i, j: IDS[b, i] == IDS[b, j], None
+        ),
+        "alibi+window": (
+            dict(score_mod=mods.alibi(slopes), mask_mod=mods.sliding_window(3)), _window, _alibi(slopes)
+        ),
         "softcap": (dict(score_mod=mods.softcap(0.5)), None, lambda s, b, h, i, j: 0.5 * np.tanh(s / 0.5)),
         "users own": (
             dict(
@@ -197,7 +207,9 @@ def test_the_dot_product_layer_takes_four_d_inputs(bk):
 def test_four_d_errors_name_the_argument(bk):
     q, k, v = (bk.tensor(x, "float32") for x in _inputs(2, seed=7))
     three = bk.tensor(np.zeros((B, K, D)), "float32")
-    with pytest.raises(ValueError, match=r"keys must be 4-D \(batch, kv_heads, keys, features\) like queries"):
+    with pytest.raises(
+        ValueError, match=r"keys must be 4-D \(batch, kv_heads, keys, features\) like queries"
+    ):
         multiattn.dot_product_attention(q, three, three)
     k3 = bk.tensor(np.zeros((B, 3, K, D)), "float32")
     with pytest.raises(ValueError, match=r"keys must have a number of heads dividing the queries' 4"):
@@ -208,3 +220,121 @@ def test_four_d_errors_name_the_argument(bk):
         multiattn.dot_product_attention(q, k, v, bk.tensor(np.array([[1, 2]])))
     with pytest.raises(TypeError, match=r"scale must be a finite number .* got 'x'"):
         multiattn.dot_product_attention(q, k, v, scale="x")
+
+
+def test_the_mistakes_people_type_get_one_line_naming_the_argument(bk):
+    q = bk.tensor(np.zeros((B, Q, D)), "float32")
+    cases = [
+        (dict(mask_mod=lambda s, b, h, i, j: i >= j),
+         r"^mask_mod must take 4 arguments \(b, h, q_idx, kv_idx\), got a function of 5 \(s, b, h, i, j\); "
+         r"it looks like a score_mod$"),
+        (dict(score_mod=lambda b, h, i, j: i >= j),
+         r"^score_mod must take 5 arguments .* it looks like a mask_mod$"),
+        (dict(score_mod=lambda s, b, h, i, j: i >= j), r"^score_mod must return scores, .* got booleans"),
+        (dict(mask_mod=lambda b, h, i, j: i - j), r"^mask_mod must return booleans .* got numbers"),
+        (dict(casual=True),
+         r"^dot_product_attention\(\) got an unexpected keyword argument 'casual'; did you mean 'causal'\?$"),
+        (dict(attn_mask=q), r"'attn_mask'; use attention_mask= \(boolean, True: may attend"),
+        (dict(is_causal=True), r"'is_causal'; use causal=$"),
+        (dict(enable_gqa=True), r"'enable_gqa'; drop it: grouped heads are read from the shapes"),
+        (dict(block_mask=None), r"'block_mask'; use mask_mod= with causal= and valid_lens"),
+    ]  # fmt: skip
+    for kw, message in cases:
+        with pytest.raises(TypeError, match=message):
+            multiattn.dot_product_attention(q, q, q, **kw)
+    with pytest.raises(ValueError, match=r"^document's ids must have shape \(2, 5\) \(batch, queries\): one "
+                       r"document id per position, got shape \(2, 6\)$"):  # fmt: skip
+        multiattn.dot_product_attention(q, q, q, mask_mod=mods.document(bk.tensor(IDS)))
+    with pytest.raises(
+        TypeError, match=r"^masked_softmax\(\) got .* 'valid_len'; did you mean 'valid_lens'\?$"
+    ):
+        multiattn.masked_softmax(q, valid_len=None)
+    if bk.has_layers:
+        with pytest.raises(TypeError, match=r"MultiHeadAttention.__call__\(\) got .* 'casual'; did you mean"):
+            bk.call(bk.multi_head(4, 2), q, q, q, casual=True)
+
+
+def test_four_d_masked_softmax(bk):
+    X = np.random.default_rng(2).normal(size=(B, H, Q, K))
+    lens = np.array([[1, 2, 3, 0, 6], [6, 5, 4, 3, 2]])
+    want = ref.masked_softmax(X, lens, MASK, causal=True)
+    got = multiattn.masked_softmax(
+        bk.tensor(X, "float32"), bk.tensor(lens), attention_mask=bk.tensor(MASK), causal=True
+    )
+    assert_close(bk, got, want, "float32")
+
+
+# -- Hugging Face's attention and FlexAttention's functions, ported as torch users write them ---
+
+
+def _torch_ports():
+    """name -> (keywords of one 4-D torch call written with torch ops and captured tensors,
+    kv heads, the reference's (mask_fn, score_fn, causal, scale))."""
+    import torch
+
+    n, window, cap = 16, 5, 2.0
+    doc = torch.tensor([[0] * 5 + [1] * 11, [0] * 9 + [1] * 7])
+    slopes = torch.tensor(mods.alibi_slopes(8))
+    table = torch.linspace(-1.0, 1.0, 2 * n - 1, dtype=torch.float64)
+    doc_np, slopes_np, table_np = doc.numpy(), slopes.numpy(), table.numpy()
+    return {
+        "llama": (dict(causal=True), 8, (None, None, True, None)),
+        "qwen2 (grouped 8/2)": (dict(causal=True), 2, (None, None, True, None)),
+        "mistral (sliding window)": (
+            dict(causal=True, mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window), 2,
+            (lambda b, h, i, j: i - j < window, None, True, None),
+        ),
+        "gemma 2 (grouped 8/4, soft-cap, window, query scale)": (
+            dict(causal=True, scale=0.2, score_mod=lambda s, b, h, q_idx, kv_idx: cap * torch.tanh(s / cap),
+                 mask_mod=lambda b, h, q_idx, kv_idx: q_idx - kv_idx < window), 4,
+            (lambda b, h, i, j: i - j < window, lambda s, b, h, i, j: cap * np.tanh(s / cap), True, 0.2),
+        ),
+        "documents (captured ids), alibi (captured slopes)": (
+            dict(mask_mod=lambda b, h, q_idx, kv_idx: (doc[b, q_idx] == doc[b, kv_idx]) & (kv_idx <= q_idx),
+                 score_mod=lambda s, b, h, q_idx, kv_idx: s + slopes[h] * (kv_idx - q_idx)), 2,
+            (lambda b, h, i, j: doc_np[b, i] == doc_np[b, j] and j <= i,
+             lambda s, b, h, i, j: s + slopes_np[h] * (j - i), False, None),
+        ),
+        "relative bias table, float constant": (
+            dict(causal=True, score_mod=lambda s, b, h, q, kv: s + table[q - kv + n - 1] - 0.1 * h), 8,
+            (None, lambda s, b, h, i, j: s + table_np[i - j + n - 1] - 0.1 * h, True, None),
+        ),
+        "dilated window, prefix-LM (or)": (
+            dict(mask_mod=lambda b, h, q, kv: ((q - kv) % 2 == 0) & (q >= kv) | (kv < 3)), 2,
+            (lambda b, h, i, j: ((i - j) % 2 == 0 and i >= j) or j < 3, None, False, None),
+        ),
+        "2-D neighbourhood (4 x 4 grid)": (
+            dict(mask_mod=lambda b, h, q_idx, kv_idx: (torch.abs(q_idx // 4 - kv_idx // 4) <= 1)
+                 & (torch.abs(q_idx % 4 - kv_idx % 4) <= 1)), 4,
+            (lambda b, h, i, j: abs(i // 4 - j // 4) <= 1 and abs(i % 4 - j % 4) <= 1, None, False, None),
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.backend("torch")
+@pytest.mark.parametrize("name", range(8))
+def test_hugging_face_and_flex_attention_run_unchanged_in_one_torch_call(name):
+    import torch
+
+    name, (kw, kv_heads, (mask_fn, score_fn, causal, scale)) = list(_torch_ports().items())[name]
+    rng = np.random.default_rng(len(name))
+    q, k, v = (
+        rng.normal(size=(2, 8, 16, 4)),
+        rng.normal(size=(2, kv_heads, 16, 4)),
+        rng.normal(size=(2, kv_heads, 16, 4)),
+    )
+    want, want_w = ref.heads_attention(
+        q, k, v, causal=causal, scale=scale, mask_fn=mask_fn, score_fn=score_fn
+    )
+    args = [torch.tensor(x) for x in (q, k, v)]
+    out, weights = multiattn.dot_product_attention(*args, return_weights=True, **kw)
+    np.testing.assert_allclose(out.numpy(), want, atol=1e-12)
+    np.testing.assert_allclose(weights.numpy(), want_w, atol=1e-12)
+    np.testing.assert_allclose(
+        multiattn.dot_product_attention(*args, block_size=4, **kw).numpy(), want, atol=1e-12
+    )
+    if "gemma" in name:  # compiled, as a model's forward is
+        compiled = torch.compile(
+            lambda q, k, v: multiattn.dot_product_attention(q, k, v, **kw), backend="aot_eager"
+        )
+        np.testing.assert_allclose(compiled(*args).numpy(), want, atol=1e-12)

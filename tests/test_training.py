@@ -18,7 +18,9 @@ def test_the_training_loop_learns(bk):
     if bk.name not in BLOCKS:  # numpy has no autodiff, the Array API no layers
         assert bk.module.vjp is None or not bk.has_layers, f"{bk.name} trains: docs/training.md lacks it"
         return
-    result = subprocess.run([sys.executable, "-c", BLOCKS[bk.name]], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", BLOCKS[bk.name]], capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     steps = [(int(s), float(x)) for s, x in re.findall(r"step +(\d+) +loss (\d+\.\d+)", result.stdout)]
     assert [s for s, _ in steps] == [1, 10, 20, 30, 40, 50], result.stdout

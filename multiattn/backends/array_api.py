@@ -109,7 +109,9 @@ class ArrayApiOps(Ops):
         return xp.reshape(xp.take(x, xp.reshape(indices, (-1,))), indices.shape)
 
     def mod_positions(self, positions, like):
-        return mods.Index(positions, self, like)  # the standard leaves int * float undefined; strict refuses it
+        return mods.Index(
+            positions, self, like
+        )  # the standard leaves int * float undefined; strict refuses it
 
     def positions(self, start, stop, like):
         return array_namespace(like).arange(start, stop, device=device(like))

@@ -192,6 +192,12 @@ class AttentionCall:
         linear, field = self._linear_and_field(name)
         return getattr(linear, field)
 
+    def _no_unknown(self, unknown: dict) -> None:
+        """TypeError for keywords the call does not take: did you mean, or ours for torch's."""
+        if unknown:
+            keywords = ("valid_lens", "attention_mask", "causal", "score_mod", "mask_mod")
+            validation.unknown_keywords(f"{type(self).__name__}.__call__", unknown, keywords)
+
     def _check(self, queries, keys, values, valid_lens, attention_mask):
         self._ops.check_tensors(
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask

@@ -74,7 +74,9 @@ class DotProductAttention(_Module):
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
         return_weights: bool = False, score_mod=None, mask_mod=None,
+        **unknown,
     ):  # fmt: skip
+        self._no_unknown(unknown)
         result = self._dot_product(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
             attention_mask, causal, score_mod, mask_mod,
@@ -111,7 +113,9 @@ class AdditiveAttention(AdditiveWeights, _Module):
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
         return_weights: bool = False, score_mod=None, mask_mod=None,
+        **unknown,
     ):  # fmt: skip
+        self._no_unknown(unknown)
         result = self._additive(
             queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -158,7 +162,9 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
         return_weights: bool = False, score_mod=None, mask_mod=None,
+        **unknown,
     ):  # fmt: skip
+        self._no_unknown(unknown)
         result = self._multi_head(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
             attention_mask, causal, score_mod, mask_mod,

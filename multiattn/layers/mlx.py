@@ -64,7 +64,9 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ) -> mx.array:
+        self._no_unknown(unknown)
         out, self._attention_weights = self._dot_product(
             queries,
             keys,
@@ -104,7 +106,9 @@ class AdditiveAttention(AdditiveWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ) -> mx.array:
+        self._no_unknown(unknown)
         out, self._attention_weights = self._additive(
             queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -153,7 +157,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ) -> mx.array:
+        self._no_unknown(unknown)
         out, self._attention_weights = self._multi_head(
             queries,
             keys,

@@ -34,7 +34,9 @@ class _Block(AttentionCall, nn.Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         # Gluon's Block.__call__ passes positional arguments only
         return super().__call__(
             queries, keys, values, valid_lens, attention_mask, causal, score_mod, mask_mod
@@ -67,7 +69,9 @@ class DotProductAttention(_Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._dot_product(
             queries,
             keys,
@@ -116,7 +120,9 @@ class AdditiveAttention(AdditiveWeights, _Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._additive(
             queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -169,7 +175,9 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._multi_head(
             queries,
             keys,

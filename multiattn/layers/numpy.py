@@ -76,7 +76,9 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._dot_product(
             queries,
             keys,
@@ -128,7 +130,9 @@ class AdditiveAttention(AdditiveWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._additive(
             queries, keys, values, valid_lens, self._dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -177,7 +181,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._multi_head(
             queries,
             keys,

@@ -91,7 +91,9 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._dot_product(
             queries,
             keys,
@@ -145,7 +147,9 @@ class AdditiveAttention(AdditiveWeights, _Weighted):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._additive(
             queries,
             keys,
@@ -217,7 +221,9 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._multi_head(
             queries,
             keys,

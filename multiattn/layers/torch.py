@@ -68,7 +68,9 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._dot_product(
             queries,
             keys,
@@ -121,7 +123,9 @@ class AdditiveAttention(AdditiveWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._additive(
             queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -178,7 +182,9 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        **unknown,
     ):
+        self._no_unknown(unknown)
         out, self.attention_weights = self._multi_head(
             queries,
             keys,
