@@ -58,14 +58,19 @@ def _check_name(name: object, source: str = "backend name") -> str:
     return name
 
 
+def pip_install(extras: str, pip: str = "pip") -> str:
+    """The command that installs multiattn with these extras from its clone (no index has it)."""
+    return f'{pip} install ".[{extras}]" in multiattn\'s clone'
+
+
 def install_hint(name: str) -> str:
     """How to install what backend ``name`` needs."""
     if name == "mxnet":  # mxnet 1.9.1 needs numpy<1.24, which would downgrade a shared environment
         return (
-            "python -m venv mxnet-env && mxnet-env/bin/pip install 'multiattn[mxnet]' "
+            f"python -m venv mxnet-env && {pip_install('mxnet', 'mxnet-env/bin/pip')} "
             "(an environment of its own: mxnet needs numpy<1.24)"
         )
-    return f"pip install 'multiattn[{BACKENDS[name][1]}]'"
+    return pip_install(BACKENDS[name][1])
 
 
 def selected_backend() -> str:

@@ -7,7 +7,7 @@ import sys
 from typing import Dict, List, Optional
 
 from . import __version__
-from ._registry import BACKENDS, did_you_mean
+from ._registry import BACKENDS, did_you_mean, pip_install
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,7 +108,7 @@ def _not_installed_note(installed: List[str]) -> str:
         how = []
         if extras:
             them = "them" if len(extras) > 1 else "it"
-            how.append(f"pip install 'multiattn[{','.join(extras)}]' adds {them}")
+            how.append(f"{pip_install(','.join(extras))} adds {them}")
         if "mxnet" in absent:
             how.append(f"mxnet joins from an environment of its own (numpy<1.24; {report})")
     return f"(not installed here, so not checked: {', '.join(absent)}; {'; '.join(how)})"

@@ -1,7 +1,7 @@
 """Heatmaps of attention weights, the equivalent of d2l's ``show_heatmaps``.
 
-Needs matplotlib (``pip install 'multiattn[plot]'``).  Takes a numpy array or
-a tensor of any backend.
+Needs matplotlib (``pip install matplotlib``).  Takes a numpy array or a tensor of any
+backend.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def show_heatmaps(
         import matplotlib.pyplot as plt
         from matplotlib.ticker import MaxNLocator
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError("show_heatmaps needs matplotlib: pip install 'multiattn[plot]'") from err
+        raise ImportError("show_heatmaps needs matplotlib: pip install matplotlib") from err
     values = as_numpy(matrices)
     if values.ndim != 4:
         raise ValueError(f"matrices must be 4-D (rows, cols, queries, keys), got shape {tuple(values.shape)}")

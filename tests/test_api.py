@@ -87,7 +87,7 @@ def test_uninstalled_backend_names_the_extra(name, extra):
     )
     result = run_python(code)
     assert result.returncode == 0, result.stderr
-    assert f"pip install 'multiattn[{extra}]'" in result.stdout
+    assert f'pip install ".[{extra}]" in multiattn\'s clone' in result.stdout
     assert f"multiattn backend {name!r} needs the {framework!r} package" in result.stdout
 
 

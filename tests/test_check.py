@@ -164,7 +164,10 @@ def test_a_check_of_what_is_installed_names_what_is_not(monkeypatch, capsys):
     note = capsys.readouterr().err.splitlines()[-1]
     absent = "torch, tensorflow, jax, mxnet, paddle, mlx, array_api"
     assert note.startswith(f"(not installed here, so not checked: {absent};")
-    assert "pip install 'multiattn[torch,tensorflow,jax,paddle,mlx,array-api]' adds them" in note
+    assert (
+        """pip install ".[torch,tensorflow,jax,paddle,mlx,array-api]" in multiattn's clone adds them"""
+        in note
+    )
     assert "mxnet joins from an environment of its own" in note
     assert cli._not_installed_note(["numpy", "torch", "tensorflow", "jax", "paddle", "mlx", "array_api"]) == (
         "(not installed here, so not checked: mxnet; mxnet joins from an environment of its own "
@@ -172,7 +175,8 @@ def test_a_check_of_what_is_installed_names_what_is_not(monkeypatch, capsys):
     )
     but_torch = ["numpy", "tensorflow", "jax", "paddle", "mlx", "array_api"]
     assert cli._not_installed_note(but_torch).startswith(
-        "(not installed here, so not checked: torch, mxnet; pip install 'multiattn[torch]' adds it; mxnet"
+        "(not installed here, so not checked: torch, mxnet; "
+        """pip install ".[torch]" in multiattn's clone adds it; mxnet"""
     )
     assert cli._not_installed_note(["numpy", "mxnet"]).endswith(
         "with mxnet's numpy<1.24 they join from another environment (`multiattn report`: docs/check.md))"
