@@ -33,12 +33,15 @@ def stacked(ops: Ops, x: Tensor, groups: int) -> Tensor:
             f"grouped heads need the numbers of queries and features known when traced, got shape "
             f"{tuple(ops.shape(x))}"
         )
+    # in two passes: a chunked array (dask) splits the heads, then merges them with the rows
+    x = ops.reshape(x, (-1, heads // groups, groups, n, width))
     return ops.reshape(x, (-1, heads // groups, groups * n, width))
 
 
 def unstacked(ops: Ops, x: Tensor, groups: int) -> Tensor:
     """(B, H_kv, G n, y) -> (B, H_kv G, n, y), the inverse of ``stacked``."""
     _, kv_heads, rows, width = ops.shape(x)
+    x = ops.reshape(x, (-1, kv_heads, groups, rows // groups, width))  # two passes, as ``stacked``
     return ops.reshape(x, (-1, kv_heads * groups, rows // groups, width))
 
 

@@ -166,6 +166,27 @@ def test_key_chunks_equal_the_loop_reference(client):
         np.testing.assert_allclose(got_lse, want_lse, rtol=tol, atol=tol)
 
 
+def test_four_d_grouped_calls_on_a_cluster_equal_the_reference(client):
+    """dask arrays in 4-D (B, H, Q, d) over (B, H_kv, K, .): the functions chunked along the
+    batch, and the key chunks merged by lse."""
+    import dask.array as da
+
+    from multiattn.sharding import attention_over_key_chunks
+
+    rng = np.random.default_rng(4)
+    q, k, v = rng.normal(size=(4, 4, 5, 3)), rng.normal(size=(4, 2, 11, 3)), rng.normal(size=(4, 2, 11, 2))
+    lens = np.array([11, 6, 0, 9])
+    want, _ = ref.heads_attention(q, k, v, lens, causal=True)
+    batch = [da.from_array(x, chunks=(2,) + x.shape[1:]) for x in (q, k, v)]
+    out = multiattn.dot_product_attention(*batch, da.from_array(lens, chunks=2), causal=True)
+    keys = [da.from_array(q, chunks=(2, 4, 5, 3))] + [da.from_array(x, chunks=(2, 2, 4, x.shape[-1])) for x in (k, v)]
+    chunked, lse = attention_over_key_chunks(*keys, da.from_array(lens, chunks=2), causal=True, split_every=2)
+    assert chunked.shape == (4, 4, 5, 2) and lse.shape == (4, 4, 5)
+    got, got_chunked = client.compute([out, chunked], sync=True)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    np.testing.assert_allclose(got_chunked, want, atol=1e-12)
+
+
 def test_key_chunks_merge_in_a_tree_of_depth_log_split_every():
     import dask.array as da
 

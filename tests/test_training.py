@@ -27,3 +27,20 @@ def test_the_training_loop_learns(bk):
     losses = [x for _, x in steps]
     assert losses[0] > 1.9 and losses[-1] < 0.7, result.stdout  # from about ln 8 to well below
     assert losses[-1] < losses[2] < losses[0], result.stdout
+
+
+DOCS = TRAINING.parent
+
+
+def test_the_numpy_examples_of_mods_and_usage_run_and_print_what_their_comments_say():
+    blocks = [
+        block
+        for page in ("mods.md", "usage.md")
+        for block in re.findall(r"```python\n(# backend: numpy.*?)```", (DOCS / page).read_text(), re.S)
+    ]
+    assert len(blocks) == 3
+    for block in blocks:
+        result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        wanted = re.findall(r"print\(.*\)\s+# (.*)", block)
+        assert result.stdout.split("\n")[: len(wanted)] == wanted, result.stdout
