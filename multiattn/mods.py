@@ -139,22 +139,18 @@ class Index:
             return self.ops.cast(self.ints, other), other, False
         return NotImplemented, None, False
 
-    def _binary(op: Callable, integer: bool = True) -> Callable:  # noqa: N805 (a method maker)
-        def method(self, other):
-            a, b, ints = self._pair(other)
-            if a is NotImplemented:
-                return NotImplemented
-            out = op(a, b)
-            return Index(out, self.ops, self.like) if ints and integer else out
+    def _apply(self, other: Any, op: Callable, integer: bool, reflected: bool) -> Any:
+        a, b, ints = self._pair(other)
+        if a is NotImplemented:
+            return NotImplemented
+        out = op(b, a) if reflected else op(a, b)
+        return Index(out, self.ops, self.like) if ints and integer else out
 
-        def reflected(self, other):
-            a, b, ints = self._pair(other)
-            if a is NotImplemented:
-                return NotImplemented
-            out = op(b, a)
-            return Index(out, self.ops, self.like) if ints and integer else out
-
-        return method, reflected
+    def _binary(op: Callable, integer: bool = True) -> tuple:  # noqa: N805 (makes the methods)
+        return (
+            lambda self, other: self._apply(other, op, integer, False),
+            lambda self, other: self._apply(other, op, integer, True),
+        )
 
     __add__, __radd__ = _binary(lambda a, b: a + b)
     __sub__, __rsub__ = _binary(lambda a, b: a - b)
@@ -166,8 +162,9 @@ class Index:
     __or__, __ror__ = _binary(lambda a, b: a | b)
     __lt__, __gt__ = _binary(lambda a, b: a < b, integer=False)
     __le__, __ge__ = _binary(lambda a, b: a <= b, integer=False)
-    __eq__, _ = _binary(lambda a, b: a == b, integer=False)  # type: ignore[assignment]
-    __ne__, _ = _binary(lambda a, b: a != b, integer=False)  # type: ignore[assignment]
+    __eq__ = _binary(lambda a, b: a == b, integer=False)[0]  # type: ignore[assignment]
+    __ne__ = _binary(lambda a, b: a != b, integer=False)[0]  # type: ignore[assignment]
+    del _binary
     __hash__ = None  # type: ignore[assignment]
 
     def __truediv__(self, other):

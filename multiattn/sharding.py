@@ -43,8 +43,8 @@ def attention_over_key_chunks(
     queries (B, Q, d) may be chunked along the batch and the queries; keys (B, K, d) and
     values (B, K, v) are chunked along the keys axis K, with the same chunks (along the
     batch they follow the queries').  4-D as ``dot_product_attention``: queries (B, H, Q, d),
-    keys and values (B, H_kv, K, .), H_kv dividing H (each task takes every head).  valid_lens: None, (B,) or (B, Q), as in
-    ``multiattn.dot_product_attention``; causal: key j visible to query i only where j <= i.
+    keys and values (B, H_kv, K, .), H_kv dividing H (each task takes every head).
+    valid_lens: None, (B,) or (B, Q), as in ``multiattn.dot_product_attention``; causal: key j visible to query i only where j <= i.
     Each (batch, query, key) chunk is one task giving a partial (output, lse); the partials
     of one (batch, query) chunk are merged exactly, ``split_every`` at a time.
     block_size: passed to each task's ``dot_product_attention`` (None: its automatic
@@ -75,7 +75,9 @@ def attention_over_key_chunks(
     heads = (queries.shape[1], keys.shape[1]) if four else (1, 1)
     if keys.shape[0] != B or keys.shape[-1] != d or heads[0] % heads[1]:
         want = f"({B}, H_kv dividing {heads[0]}, K, {d})" if four else f"({B}, K, {d})"
-        raise ValueError(f"keys must have shape {want} for queries of shape {queries.shape}, got {keys.shape}")
+        raise ValueError(
+            f"keys must have shape {want} for queries of shape {queries.shape}, got {keys.shape}"
+        )
     if values.shape[:-1] != keys.shape[:-1]:
         raise ValueError(
             f"values must have shape {keys.shape[:-1]} + (v,) for keys of shape {keys.shape}, "

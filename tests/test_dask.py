@@ -179,7 +179,9 @@ def test_four_d_grouped_calls_on_a_cluster_equal_the_reference(client):
     want, _ = ref.heads_attention(q, k, v, lens, causal=True)
     batch = [da.from_array(x, chunks=(2,) + x.shape[1:]) for x in (q, k, v)]
     out = multiattn.dot_product_attention(*batch, da.from_array(lens, chunks=2), causal=True)
-    keys = [da.from_array(q, chunks=(2, 4, 5, 3))] + [da.from_array(x, chunks=(2, 2, 4, x.shape[-1])) for x in (k, v)]
+    keys = [da.from_array(q, chunks=(2, 4, 5, 3))] + [
+        da.from_array(x, chunks=(2, 2, 4, x.shape[-1])) for x in (k, v)
+    ]
     chunked, lse = attention_over_key_chunks(*keys, da.from_array(lens, chunks=2), causal=True, split_every=2)
     assert chunked.shape == (4, 4, 5, 2) and lse.shape == (4, 4, 5)
     got, got_chunked = client.compute([out, chunked], sync=True)

@@ -15,7 +15,7 @@ import multiattn
 from multiattn import mods
 
 from . import reference as ref
-from .test_gradients import assert_gradients_close, needs_autodiff
+from .test_gradients import assert_gradients_close, central_differences, needs_autodiff
 from .test_mods import _jitted, supported
 from .tolerances import assert_close
 
@@ -154,16 +154,8 @@ def _finite_differences():
     lens = np.array([[3, 0, 4]])
     fn = lambda q, k, v: ref.heads_attention(q, k, v, lens, causal=True, scale=0.7)[0]  # noqa: E731
     cotangent = np.random.default_rng(1).normal(size=fn(q, k, v).shape)
-    inputs, grads, step = dict(q=q, k=k, v=v), {}, 1e-6
-    for name, array in inputs.items():
-        grad = np.zeros_like(array)
-        for idx in np.ndindex(array.shape):
-            for sign in (1, -1):
-                shifted = dict(inputs, **{name: array.copy()})
-                shifted[name][idx] += sign * step
-                grad[idx] += sign * float(np.sum(fn(**shifted) * cotangent))
-        grads[name] = grad / (2 * step)
-    return inputs, lens, cotangent, grads
+    inputs = dict(q=q, k=k, v=v)
+    return inputs, lens, cotangent, central_differences(fn, inputs, cotangent)
 
 
 @pytest.mark.parametrize("block_size", [None, 2])

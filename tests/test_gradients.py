@@ -204,11 +204,9 @@ def _masked_reference(function, masks):
     )[0]
 
 
-@functools.lru_cache(maxsize=None)
-def masked_finite_differences(function, case):
-    inputs, cotangent = _masked_inputs(function)
-    fn = _masked_reference(function, CASES[case])
-    step, grads = 1e-6, {}
+def central_differences(fn, inputs: dict, cotangent, step: float = 1e-6) -> dict:
+    """The gradients of sum(fn(**inputs) * cotangent) by central differences, per input."""
+    grads = {}
     for name, array in inputs.items():
         grad = np.zeros_like(array)
         for idx in np.ndindex(array.shape):
@@ -218,6 +216,12 @@ def masked_finite_differences(function, case):
                 grad[idx] += sign * float(np.sum(fn(**shifted) * cotangent))
         grads[name] = grad / (2 * step)
     return grads
+
+
+@functools.lru_cache(maxsize=None)
+def masked_finite_differences(function, case):
+    inputs, cotangent = _masked_inputs(function)
+    return central_differences(_masked_reference(function, CASES[case]), inputs, cotangent)
 
 
 def masked_backend_grads(bk, function, case, dtype):
