@@ -44,7 +44,8 @@ def attention_over_key_chunks(
     values (B, K, v) are chunked along the keys axis K, with the same chunks (along the
     batch they follow the queries').  4-D as ``dot_product_attention``: queries (B, H, Q, d),
     keys and values (B, H_kv, K, .), H_kv dividing H (each task takes every head).
-    valid_lens: None, (B,) or (B, Q), as in ``multiattn.dot_product_attention``; causal: key j visible to query i only where j <= i.
+    valid_lens: None, (B,) or (B, Q), as in ``multiattn.dot_product_attention``; causal: key j
+    visible to query i only where j <= i.
     Each (batch, query, key) chunk is one task giving a partial (output, lse); the partials
     of one (batch, query) chunk are merged exactly, ``split_every`` at a time.
     block_size: passed to each task's ``dot_product_attention`` (None: its automatic
