@@ -74,6 +74,7 @@ def dot_product_attention(
         forced = block_size is not None
         block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, mask_mod=masks.mask_mod)
         if block_size is not None:
+            masks = masks.without_idle_lengths(ops, ops.shape(keys)[-2])
             if score_mod is None and not (forced or need_lse):  # a framework's kernel that never holds
                 # the scores whole (grouped heads and a mask function's too, where its offer takes them)
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)

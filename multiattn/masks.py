@@ -56,6 +56,15 @@ class Masks:
             found = all_of(ops, [self.attention_mask, found], len(shape))
         return Masks(self.valid_lens, found, self.causal)
 
+    def without_idle_lengths(self, ops: Ops, n_keys: int) -> "Masks":
+        """These masks without lengths that hide no key (every length > n_keys - 1), read on the
+        host where the framework allows (never where traced): the blocks' plan and the fast
+        kernels then see the other masks alone (causal's halves, SDPA's is_causal)."""
+        host = None if self.valid_lens is None else ops.host_values(self.valid_lens)
+        if host is None or not host.size or not (host > n_keys - 1).all():  # NaN: kept
+            return self
+        return Masks(None, self.attention_mask, self.causal, self.mask_mod)
+
 
 NO_MASKS = Masks()
 

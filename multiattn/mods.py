@@ -249,6 +249,11 @@ class MaskFunction:
         """ValueError naming this function where the arrays it holds do not cover a call's
         (batch, queries, keys) (None: unknown, traced)."""
 
+    def implies_causal(self) -> bool:
+        """Whether every key it shows is at or before its query (j <= i): causal=True then
+        hides nothing more."""
+        return False
+
 
 class _UserMask(MaskFunction):
     def __init__(self, fn: Callable[..., Tensor]) -> None:
@@ -365,6 +370,9 @@ class sliding_window(MaskFunction):
 
     def key_range(self, q0, q1):
         return max(q0 - self.w + 1, 0), q1
+
+    def implies_causal(self):
+        return True
 
     def block_side(self, ops):
         # half the width: three blocks per row of blocks, the middle one whole; where steps are
@@ -494,6 +502,9 @@ class and_masks(MaskFunction):
             found = logical_and(found, fn(b, h, q_idx, kv_idx))
         return found
 
+    def implies_causal(self):
+        return any(fn.implies_causal() for fn in self.fns)
+
     def check_sizes(self, batch, n_queries, n_keys):
         for fn in self.fns:
             fn.check_sizes(batch, n_queries, n_keys)
@@ -548,6 +559,9 @@ class or_masks(MaskFunction):
         for fn in self.fns[1:]:
             found = logical_or(found, fn(b, h, q_idx, kv_idx))
         return found
+
+    def implies_causal(self):
+        return all(fn.implies_causal() for fn in self.fns)
 
     def check_sizes(self, batch, n_queries, n_keys):
         for fn in self.fns:

@@ -385,7 +385,8 @@ def with_mods(score_mod: Any, mask_mod: Any, masks: Masks, sizes: Optional[tuple
     mask_mod = as_mask_function(mask_mod)
     if sizes is not None:
         mask_mod.check_sizes(*sizes)
-    return score_mod, Masks(masks.valid_lens, masks.attention_mask, masks.causal, mask_mod)
+    causal = masks.causal and not mask_mod.implies_causal()  # a window is causal already
+    return score_mod, Masks(masks.valid_lens, masks.attention_mask, causal, mask_mod)
 
 
 def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:

@@ -83,9 +83,9 @@ def test_report_keeps_a_backend_found_in_two_files(tmp_path):
     result = run_cli("report", *paths)
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.startswith("numpy")]
-    assert len(rows) == 48  # 24 rows (functions x dtypes) from each file, none dropped
-    assert sum(r.startswith("numpy [check-all]") for r in rows) == 24
-    assert sum(r.startswith("numpy [check-mxnet]") for r in rows) == 24
+    assert len(rows) == 56  # 28 rows (functions x dtypes) from each file, none dropped
+    assert sum(r.startswith("numpy [check-all]") for r in rows) == 28
+    assert sum(r.startswith("numpy [check-mxnet]") for r in rows) == 28
     assert all("1.23.5" in r for r in rows if r.startswith("numpy [check-mxnet]"))
 
 

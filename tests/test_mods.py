@@ -389,3 +389,24 @@ def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
     both = mods.and_masks(mods.sliding_window(512), mods.document(ids))
     assert both.block_side(ops) == 256
     assert mods.prefix_lm(4).block_side(ops) is None
+
+
+def test_masks_that_hide_nothing_more_are_dropped():
+    """causal=True beside a mask function that is causal already (a sliding window), and
+    lengths that hide no key (read on the host, for the blocks): the call then runs as the
+    other masks alone (their fast paths)."""
+    from multiattn import validation
+    from multiattn.backends.numpy import ops
+
+    causal = Masks(None, None, True)
+    for fn, implied in (
+        (mods.sliding_window(4), True),
+        (mods.prefix_lm(2), False),
+        (mods.and_masks(mods.sliding_window(4), mods.document(IDS)), True),
+        (mods.or_masks(mods.sliding_window(4), mods.prefix_lm(2)), False),
+        (lambda b, h, i, j: j <= i, False),  # a function of the user's: not known
+    ):
+        assert validation.with_mods(None, fn, causal)[1].causal is not implied
+    for lens, dropped in (([7, 9], True), ([6, 9], False), ([6.5, 7.0], True), ([np.nan, 9.0], False)):
+        masks = Masks(np.array(lens), None, True).without_idle_lengths(ops, 7)
+        assert (masks.valid_lens is None) is dropped and masks.causal

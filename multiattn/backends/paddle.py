@@ -41,6 +41,9 @@ _KERNELS = {
     "dot_product": "matmul and where",
     "additive": "matmul, tanh and where",
     "multi_head": "matmul and where",
+    "grouped": "matmul and where",
+    "dot_product_4d": "matmul and where",
+    "masked_softmax_4d": "where (the masking)",
 }
 DTYPE_NOTES = {
     dtype: {f: _NO_HALF.format(k) for f, k in _KERNELS.items()} for dtype in ("float16", "bfloat16")

@@ -14,7 +14,10 @@ import numpy as np
 
 from .. import reference
 
-FUNCTIONS = ("masked_softmax", "dot_product", "additive", "multi_head", "grouped", "dot_product_4d")
+FUNCTIONS = (
+    "masked_softmax", "dot_product", "additive", "multi_head", "grouped",
+    "dot_product_4d", "masked_softmax_4d",
+)  # fmt: skip
 MASKS = ("none", "1d", "2d", "mask", "causal", "all")
 # score and mask functions (``multiattn.mods``), ANDed with the masks of MOD_ARGS
 MOD_MASKS = ("window", "document", "softcap")
@@ -26,7 +29,7 @@ MULTI_HEAD_HIDDENS, NUM_HEADS = 4, 2  # multi-head attention: 2 heads of 2 colum
 # (num_hiddens = the query width, as Keras' GroupQueryAttention needs)
 GROUPED_HIDDENS, GROUPED_HEADS, GROUPED_KV_HEADS = 4, 4, 2
 # dot-product attention in 4-D, torch SDPA's layout: queries (B, 4, Q, d) over keys and values
-# of 2 heads (grouped), the (B, Q, K) masks shared by the heads
+# of 2 heads (grouped), the (B, Q, K) masks shared by the heads; masked_softmax of (B, 2, Q, K)
 HEADS_4D, KV_HEADS_4D = 4, 2
 # Lengths with a fully masked row, a negative and an over-long length.
 LENGTHS = {"none": None, "1d": np.array([0, KEYS + 2]), "2d": np.array([[2, 0, KEYS + 2], [5, -1, 3]])}
@@ -151,8 +154,11 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
     raw["keys_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, KEYS, WIDTH))
     raw["values_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, KEYS, VALUE_WIDTH))
     cotangents["dot_product_4d"] = rng.normal(size=(BATCH, HEADS_4D, QUERIES, VALUE_WIDTH))
+    raw["X_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, QUERIES, KEYS)) * 2
+    cotangents["masked_softmax_4d"] = rng.normal(size=(BATCH, KV_HEADS_4D, QUERIES, KEYS))
     names = {
         "masked_softmax": {"X": "X"},
+        "masked_softmax_4d": {"X": "X_4d"},
         "dot_product_4d": {"queries": "queries_4d", "keys": "keys_4d", "values": "values_4d"},
         "dot_product": {"queries": "queries", "keys": "keys", "values": "values"},
         "additive": {
@@ -215,7 +221,7 @@ def expected(case: Case) -> dict:
     if shown is not None:  # the mask function ANDs with the others
         attention_mask = shown if attention_mask is None else shown & attention_mask
     masks = dict(attention_mask=attention_mask, causal=case.causal, softcap=case.softcap)
-    if case.function == "masked_softmax":
+    if case.function in ("masked_softmax", "masked_softmax_4d"):
         return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent, **masks)
     if case.function in ("dot_product", "dot_product_4d"):
         return reference.dot_product_attention(

@@ -29,7 +29,7 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
     fast: Callable[..., Any] = None  # the no-weights path (fused kernels), which must agree too
     blocks: Callable[..., Any] = None  # the no-weights path in blocks forced (multiattn.blockwise)
     order = list(case.inputs)
-    if case.function == "masked_softmax":
+    if case.function in ("masked_softmax", "masked_softmax_4d"):
 
         def run(X):
             weights = module.masked_softmax(X, lens, **masks)
