@@ -136,8 +136,9 @@ class Primitives:
     def mod_positions(self, positions: Tensor, like: Tensor) -> Any:
         """What score and mask functions get for ``positions`` in calls on like's dtype: the
         integers themselves, or where the framework's integers times a Python float raise
-        (tensorflow, the strict Array API), give integers (mxnet) or float32 (torch), positions
-        that do what Python says (``mods.Index``, or floats where they index)."""
+        (tensorflow, the strict Array API), give integers (mxnet) or float32 (torch, paddle), positions
+        that do what Python says (``mods.Index``; paddle: a Tensor subclass; mxnet: floats,
+        which it indexes with)."""
         return positions
 
     def take(self, x: Tensor, indices: Tensor) -> Tensor:

@@ -11,6 +11,7 @@ Two facts of paddle shape this adapter:
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any, Optional
 
@@ -50,6 +51,34 @@ DTYPE_NOTES = {
 }
 
 _HALF = (paddle.float16, paddle.bfloat16)
+
+
+class _Positions(paddle.Tensor):
+    """paddle's integer positions for score and mask functions, a Tensor (so that paddle
+    indexes with them), whose arithmetic with a Python float is done in the scores' dtype
+    (``float_dtype``): paddle computes an integer tensor times a float in float32."""
+
+    float_dtype: Any = paddle.float32
+
+    def _apply(self, other: Any, op: str) -> Any:
+        if isinstance(other, float):
+            mine = paddle.cast(paddle.Tensor(self), self.float_dtype)
+            return getattr(mine, op)(other)
+        out = getattr(paddle.Tensor, op)(self, other)
+        return type(self)(out) if not out.is_floating_point() and out.dtype != paddle.bool else out
+
+
+def _operator(op: str) -> Any:
+    return lambda self, other: self._apply(other, op)
+
+
+for _op in ("add", "radd", "sub", "rsub", "mul", "rmul", "floordiv", "mod", "truediv", "rtruediv", "pow"):
+    setattr(_Positions, f"__{_op}__", _operator(f"__{_op}__"))
+
+
+@functools.lru_cache(maxsize=None)
+def _positions_class(dtype: Any) -> type:
+    return type("Positions", (_Positions,), {"float_dtype": dtype})
 
 
 def _kind(dtype: Any) -> str:
@@ -143,6 +172,9 @@ class PaddleOps(Ops):
 
     def positions(self, start, stop, like):
         return paddle.arange(start, stop)
+
+    def mod_positions(self, positions, like):
+        return _positions_class(like.dtype)(positions)
 
     def constant(self, values, like):
         return paddle.to_tensor(values, place=like.place)
