@@ -411,7 +411,7 @@ def check_arity(arg: str, fn: Any) -> None:
         raise TypeError(problem)
 
 
-_ARITY_CHECKED: dict = {}  # (kind, function) -> its problem or None: signature() costs some 10 us
+_ARITY_CHECKED: dict = {}  # (kind, function) -> its problem or None: signature() is slow per call
 
 
 def _arity_problem(arg: str, fn: Any) -> Optional[str]:

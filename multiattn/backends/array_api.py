@@ -109,9 +109,8 @@ class ArrayApiOps(Ops):
         return xp.reshape(xp.take(x, xp.reshape(indices, (-1,))), indices.shape)
 
     def mod_positions(self, positions, like):
-        return mods.Index(
-            positions, self, like
-        )  # the standard leaves int * float undefined; strict refuses it
+        # the standard leaves int * float undefined; array-api-strict refuses it
+        return mods.Index(positions, self, like)
 
     def positions(self, start, stop, like):
         return array_namespace(like).arange(start, stop, device=device(like))
