@@ -175,7 +175,7 @@ class Plan:
         knows, else from its booleans read on the host (kept for ``visibility``), else None."""
         ops, mod = self.ops, self.masks.mask_mod
         known = self._classify(block)
-        if known is not None:
+        if known is not None or self._like is None:  # no tensor to evaluate it on: not known
             return known
         values = mod.values(ops, self._like, self.heads, block, self.batch)
         host = ops.host_values(values)

@@ -17,7 +17,7 @@ import functools
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from . import blockwise, heads, mods, specialise
+from . import block_loop, blockwise, heads, mods, specialise
 from .masks import NO_MASKS, Masks, all_of, visibility, visible_values  # noqa: F401 (the steps')
 
 Tensor = Any
@@ -80,8 +80,9 @@ def dot_product_attention(
                 done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
                 if done is not None and not holds_non_finite(ops, done[0]):
                     return done
-            if score_mod is None:
-                out, lse = blockwise.attention(
+            if score_mod is None:  # a compiler's one loop where traced, else the host's plan
+                loop = block_loop if block_loop.usable(ops, queries, masks) else blockwise
+                out, lse = loop.attention(
                     ops, queries, keys, values, masks, scale=scale, block_size=block_size
                 )
             else:  # the framework differentiates the blocks (and score_mod) itself

@@ -209,6 +209,16 @@ def _native(x: Any) -> Any:
 Block = Tuple[int, int, int, int]  # q0, q1, k0, k1: queries [q0, q1) and keys [k0, k1)
 
 
+class TracedBlock(tuple):
+    """A block (q0, q1, k0, k1) whose starts are scalar tensors of a compiled loop
+    (``block_loop``): its sizes (q1 - q0, k1 - k0) are known, its place only when it runs."""
+
+    def __new__(cls, q0: Any, k0: Any, sizes: Tuple[int, int]) -> "TracedBlock":
+        block = super().__new__(cls, (q0, q0 + sizes[0], k0, k0 + sizes[1]))
+        block.sizes = sizes
+        return block
+
+
 class MaskFunction:
     """A mask function: called as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``; for the
     core, ``values`` (its booleans for a block) and ``classify`` (what it shows of a block,
@@ -254,6 +264,10 @@ class MaskFunction:
         hides nothing more."""
         return False
 
+    def traceable(self) -> bool:
+        """Whether ``values`` takes a ``TracedBlock`` (a block placed when a compiled loop runs)."""
+        return True
+
 
 class _UserMask(MaskFunction):
     def __init__(self, fn: Callable[..., Tensor]) -> None:
@@ -278,8 +292,13 @@ def positions(ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch:
         b = ops.expand_dims(b, -1)
     h = ops.positions(0, heads or 1, like)
     h = ops.expand_dims(ops.expand_dims(ops.expand_dims(h, -1), -1), 0)
-    q = ops.expand_dims(ops.expand_dims(ops.expand_dims(ops.positions(q0, q1, like), -1), 0), 0)
-    k = ops.positions(k0, k1, like)
+    sizes = getattr(block, "sizes", None)  # a ``TracedBlock``: starts known when the loop runs
+    q, k = (
+        (ops.positions(q0, q1, like), ops.positions(k0, k1, like))
+        if sizes is None
+        else (ops.positions(0, sizes[0], like) + q0, ops.positions(0, sizes[1], like) + k0)
+    )
+    q = ops.expand_dims(ops.expand_dims(ops.expand_dims(q, -1), 0), 0)
     for _ in range(3):
         k = ops.expand_dims(k, 0)
     return tuple(ops.mod_positions(x, like) for x in (b, h, q, k))
@@ -438,6 +457,9 @@ class document(MaskFunction):
                     f"per position, got shape {shape}"
                 )
 
+    def traceable(self):
+        return False  # its ids are sliced where the block is
+
     def values(self, ops, like, heads, block, batch):
         q0, q1, k0, k1 = block
         q_ids, kv_ids = _on(ops, self.q_ids, like), _on(ops, self.kv_ids, like)
@@ -505,6 +527,9 @@ class and_masks(MaskFunction):
     def implies_causal(self):
         return any(fn.implies_causal() for fn in self.fns)
 
+    def traceable(self):
+        return all(fn.traceable() for fn in self.fns)
+
     def check_sizes(self, batch, n_queries, n_keys):
         for fn in self.fns:
             fn.check_sizes(batch, n_queries, n_keys)
@@ -562,6 +587,9 @@ class or_masks(MaskFunction):
 
     def implies_causal(self):
         return all(fn.implies_causal() for fn in self.fns)
+
+    def traceable(self):
+        return all(fn.traceable() for fn in self.fns)
 
     def check_sizes(self, batch, n_queries, n_keys):
         for fn in self.fns:

@@ -216,6 +216,33 @@ class Primitives:
             return self.matmul_t(a * scale, b)  # scale the smaller operand
         return self.matmul_t(a, b) * scale
 
+    # -- the loop over the block map (``block_loop``): the framework's own where it compiles --
+
+    # whether ``loop``, ``map_rows`` and ``rows_at`` are the framework's loop primitives, which
+    # a compiler sees as one loop (compiled once, whatever its trip count), taking tensors as
+    # counts and starts
+    loop_primitives: bool = False
+
+    def loop(self, count: Any, body: Callable[[Any, tuple], tuple], state: tuple) -> tuple:
+        """The state after state = body(i, state) for i = 0 .. count - 1 (count: an int, or a
+        scalar tensor where ``loop_primitives``); the default: a Python loop."""
+        for i in range(count):
+            state = body(i, state)
+        return state
+
+    def map_rows(self, fn: Callable[[Any], tuple], count: int, likes: tuple) -> tuple:
+        """For each output of fn(i) (tensors (..., n, y) of likes' dtypes, one each), those of
+        i = 0 .. count - 1 one after another along axis -2 (..., count * n, y); fn(i) computed
+        one after another; the default: a Python loop."""
+        found = [fn(i) for i in range(count)]
+        return tuple(self.concat([x[n] for x in found], -2) for n in range(len(likes)))
+
+    def rows_at(self, x: Tensor, start: Any, size: int, axis: int = -2) -> Tensor:
+        """x's size entries from start along axis (start: an int, or a scalar tensor where
+        ``loop_primitives``); the default slices."""
+        axis = axis % len(self.shape(x))
+        return x[(slice(None),) * axis + (slice(start, start + size),)]
+
     def check_tensors(self, **tensors: Tensor) -> None:
         """TypeError unless every non-None argument is a tensor of this backend; by name."""
         _registry.check_framework(self.name, **tensors)

@@ -24,6 +24,16 @@ DTYPE_NOTES: dict = {}
 
 _HALF = (jnp.float16, jnp.bfloat16)
 
+try:
+    from jax._src.core import is_concrete as _is_concrete
+    from jax._src.core import to_concrete_value as _concrete_value
+except ImportError:  # an older or newer jax: every tracer counts as unknown
+
+    def _is_concrete(x):
+        return False
+
+    _concrete_value = None
+
 
 class JaxOps(NumpyLikeOps):
     name = "jax"
@@ -46,8 +56,22 @@ class JaxOps(NumpyLikeOps):
     def split_rows(self, x, sizes):
         return jax.lax.split(x, list(sizes), axis=x.ndim - 2)  # one dispatch, not one per slice
 
+    loop_primitives = True
+
+    def loop(self, count, body, state):
+        return jax.lax.fori_loop(0, count, body, state)
+
+    def map_rows(self, fn, count, likes):
+        return tuple(_joined(x) for x in jax.lax.map(fn, jnp.arange(count)))
+
+    def rows_at(self, x, start, size, axis=-2):
+        return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
+
     def host_values(self, x):
-        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+        if not isinstance(x, jax.core.Tracer):
+            return np.asarray(x)
+        # eager jax.grad's tracers hold their values; jit's and vmap's do not
+        return np.asarray(_concrete_value(x)) if _is_concrete(x) else None
 
     def custom_gradient(self, forward, backward, tensors, constants=()):
         if not any(isinstance(t, jax.core.Tracer) for t in tensors):
@@ -107,6 +131,12 @@ class JaxOps(NumpyLikeOps):
         return functools.partial(
             fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
         )
+
+
+def _joined(x):
+    """(count, ..., n, y) -> (..., count * n, y)."""
+    x = jnp.moveaxis(x, 0, -3)
+    return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
 
 
 def _fused_kernel(queries, keys, values, mask, scale):

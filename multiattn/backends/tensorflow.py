@@ -177,6 +177,28 @@ class TensorFlowOps(Ops):
     def split_rows(self, x, sizes):
         return tf.split(x, list(sizes), axis=-2)  # one op, not an eager slice per block
 
+    loop_primitives = True
+
+    def loop(self, count, body, state):
+        def step(i, *state):
+            return (i + 1, *body(i, state))
+
+        return tuple(tf.while_loop(lambda i, *_: i < count, step, (0, *state), parallel_iterations=1)[1:])
+
+    def map_rows(self, fn, count, likes):
+        signature = tuple(tf.TensorSpec(None, like.dtype) for like in likes)
+        found = tf.map_fn(fn, tf.range(count), fn_output_signature=signature, parallel_iterations=1)
+        return tuple(_joined(x) for x in found)
+
+    def rows_at(self, x, start, size, axis=-2):
+        rank = len(x.shape)
+        axis %= rank
+        if isinstance(start, int):
+            return x[(slice(None),) * axis + (slice(start, start + size),)]
+        begin = tf.stack([0] * axis + [tf.cast(start, tf.int32)] + [0] * (rank - axis - 1))
+        found = tf.slice(x, begin, [-1] * axis + [size] + [-1] * (rank - axis - 1))
+        return tf.ensure_shape(found, x.shape[:axis] + [size] + x.shape[axis + 1 :])
+
     def host_values(self, x):
         return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
 
@@ -194,6 +216,13 @@ class TensorFlowOps(Ops):
             return outputs, grad
 
         return wrapped(*tensors, *constants)
+
+
+def _joined(x: tf.Tensor) -> tf.Tensor:
+    """(count, ..., n, y) -> (..., count * n, y)."""
+    rank = len(x.shape)
+    x = tf.transpose(x, list(range(1, rank - 2)) + [0, rank - 2, rank - 1])
+    return tf.reshape(x, x.shape[:-3] + [x.shape[-3] * x.shape[-2], x.shape[-1]])
 
 
 def _dims(x: tf.Tensor) -> list:

@@ -1,0 +1,235 @@
+"""One loop over the block map, the loop a compiler sees.
+
+The online softmax of ``blockwise`` (its formulas, its ``_online`` and ``_finish``), for each
+query block over the key blocks the map keeps, and its backward recomputed from lse, written
+with ``Ops.loop``, ``Ops.map_rows`` and ``Ops.rows_at``.  Where those are the framework's loop
+primitives (``Ops.loop_primitives``: jax's ``lax``, tensorflow's ``while_loop``), a compiler
+sees one loop: it compiles in the same time at any length and holds one block of scores at a
+time, forward and through gradients (``Ops.custom_gradient`` wraps the loop).  Which blocks to
+visit is known on the host from the structure of the masks (causal, a mask function's
+``classify``); lengths and boolean masks, unknown there, are applied in the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import numpy as np
+
+from . import blockwise, heads, mods
+from .masks import Masks, all_of, visible_values
+
+Tensor = Any
+Ops = Any
+NEG_INF = float("-inf")
+
+
+class BlockMap:
+    """Per query block i, the key blocks to visit, ``kv_index[i, :kv_count[i]]``; per key block
+    j, the query blocks that visit it, ``q_index[j, :q_count[j]]`` (the backward's); blocks of
+    ``block`` rows, from what the host knows of the masks (``blockwise.Plan``)."""
+
+    def __init__(self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int) -> None:
+        plan = blockwise.Plan(ops, masks, n_queries, n_keys, block)
+        visits = np.zeros((len(plan.query_blocks), len(plan.key_blocks)), bool)
+        for i, (q0, q1) in enumerate(plan.query_blocks):
+            for at, *_ in plan.shown(q0, q1):
+                visits[i, at] = True
+        self.block, self.n_queries, self.n_keys = block, n_queries, n_keys
+        self.kv_index, self.kv_count = _indices(visits)
+        self.q_index, self.q_count = _indices(visits.T)
+
+
+def _indices(visits: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    counts = visits.sum(1).astype(np.int32)
+    index = np.zeros((len(visits), max(int(counts.max(initial=0)), 1)), np.int32)
+    for i, row in enumerate(visits):
+        found = np.nonzero(row)[0]
+        index[i, : len(found)] = found
+    return index, counts
+
+
+def usable(ops: Ops, queries: Tensor, masks: Masks) -> bool:
+    """Whether this call runs the loop: traced, by a framework with loop primitives, with sizes
+    known and a mask function (if any) that takes traced blocks."""
+    return (
+        ops.loop_primitives
+        and ops.host_values(queries) is None
+        and None not in ops.shape(queries)
+        and (masks.mask_mod is None or masks.mask_mod.traceable())
+    )
+
+
+def attention(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *, scale: float, block_size: int
+) -> Tuple[Tensor, Tensor]:
+    """(output, lse (B, [H,] Q)) of dot-product attention, the loop over the block map forward
+    and backward (``Ops.custom_gradient``)."""
+    bmap = BlockMap(ops, masks, ops.shape(queries)[-2], ops.shape(keys)[-2], block_size)
+    names = [name for name in ("valid_lens", "attention_mask") if getattr(masks, name) is not None]
+
+    def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
+        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod)
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
+        return _forward(ops, bmap, q, k, v, rebuilt(given), scale)
+
+    def backward(tensors, given, outputs, cotangents):
+        (q, k, v), (out, lse), (d_out, d_lse) = tensors, outputs, cotangents
+        if d_out is None:
+            d_out = ops.zeros(ops.shape(out), out)
+        return _backward(ops, bmap, q, k, v, rebuilt(given), out, lse, d_out, d_lse, scale)
+
+    constants = tuple(getattr(masks, name) for name in names)
+    out, lse = ops.custom_gradient(forward, backward, (queries, keys, values), constants)
+    return out, lse[..., 0]
+
+
+class _Blocks:
+    """A call's tensors padded to whole blocks, and the mask of a block where it runs."""
+
+    def __init__(self, ops: Ops, bmap: BlockMap, masks: Masks, like: Tensor, kv_heads: Optional[int]) -> None:
+        self.ops, self.bmap, self.masks, self.kv_heads = ops, bmap, masks, kv_heads
+        shape = ops.shape(like)
+        self.batch, self.heads, self.rank = shape[0], (shape[1] if len(shape) == 4 else None), len(shape)
+        b = bmap.block
+        self.q_rows, self.k_rows = len(bmap.kv_count) * b, len(bmap.q_count) * b
+        table = ops.constant if ops.loop_primitives else (lambda values, like: values)
+        self.kv_index, self.kv_count, self.q_index, self.q_count = (
+            table(x, like) for x in (bmap.kv_index, bmap.kv_count, bmap.q_index, bmap.q_count)
+        )
+        self.lens = masks.valid_lens
+        if self.lens is not None and len(ops.shape(self.lens)) == 2:
+            self.lens = _padded(ops, self.lens, self.q_rows, axis=-1)
+        self.mask = masks.attention_mask
+        if self.mask is not None:
+            for axis, rows in ((-2, self.q_rows), (-1, self.k_rows)):
+                if ops.shape(self.mask)[axis] != 1:  # else broadcast
+                    self.mask = _padded(ops, self.mask, rows, axis)
+        self.some = not masks.none or self.k_rows != bmap.n_keys
+
+    def q(self, x: Tensor) -> Tensor:
+        return _padded(self.ops, x, self.q_rows)
+
+    def k(self, x: Tensor) -> Tensor:
+        return _padded(self.ops, x, self.k_rows)
+
+    def seen(self, q0: Any, k0: Any, like: Tensor) -> Optional[Tensor]:
+        """The boolean mask of the block at (q0, k0), broadcastable to its scores; None: all seen."""
+        if not self.some:
+            return None
+        ops, masks, b, found = self.ops, self.masks, self.bmap.block, []
+        k_pos = ops.positions(0, b, like) + k0
+        if self.k_rows != self.bmap.n_keys:  # the padding
+            found.append(k_pos < self.bmap.n_keys)
+        if masks.causal:
+            found.append(k_pos <= ops.expand_dims(ops.positions(0, b, like) + q0, -1))
+        if self.lens is not None:
+            lens = self.lens if len(ops.shape(self.lens)) == 1 else ops.rows_at(self.lens, q0, b, axis=-1)
+            found.append(ops.length_mask(ops.zeros((b, 1), like), lens - ops.cast(k0, lens), axis=-2))
+        if self.mask is not None:
+            mask = self.mask
+            for axis, start in ((-2, q0), (-1, k0)):
+                mask = ops.rows_at(mask, start, b, axis) if ops.shape(mask)[axis] != 1 else mask
+            found.append(mask)
+        if masks.mask_mod is not None:
+            block = mods.TracedBlock(q0, k0, (b, b)) if ops.loop_primitives else (q0, q0 + b, k0, k0 + b)
+            found.append(masks.mask_mod.values(ops, like, self.heads, block, self.batch))
+        return all_of(ops, found, self.rank)
+
+    def scores(self, q: Tensor, k: Tensor, v: Tensor, q0: Any, k0: Any) -> Tuple[Tensor, Tensor, Any]:
+        """A block's scores (q scaled) with the hidden ones -inf, its values with the rows no
+        query sees 0 (a NaN there must not reach the output as 0 * NaN), and its mask."""
+        s, seen = heads.matmul_t(self.ops, q, k), self.seen(q0, k0, q)
+        if seen is None:
+            return s, v, None
+        return self.ops.where(seen, s, NEG_INF), visible_values(self.ops, v, seen), seen
+
+
+def _padded(ops: Ops, x: Tensor, rows: int, axis: int = -2) -> Tensor:
+    """x with zeros (False) after its entries along axis, to rows of them."""
+    shape = list(ops.shape(x))
+    missing = rows - shape[axis]
+    if missing == 0:
+        return x
+    shape[axis] = missing
+    return ops.concat([x, ops.zeros(tuple(shape), x)], axis)
+
+
+def _forward(ops, bmap, queries, keys, values, masks, scale):
+    """(output, lse (..., Q, 1)): for each query block, the online softmax over its key blocks."""
+    like = values
+    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
+    blocks, b = _Blocks(ops, bmap, masks, queries, None), bmap.block
+    q_all, k_all, v_all = blocks.q(queries * scale), blocks.k(keys), blocks.k(values)
+    rows = tuple(ops.shape(queries)[:-2]) + (b,)
+
+    def query_block(i):
+        q0 = i * b
+        q = ops.rows_at(q_all, q0, b)
+
+        def key_block(j, state):
+            k0 = blocks.kv_index[i][j] * b
+            s, v, _ = blocks.scores(q, ops.rows_at(k_all, k0, b), ops.rows_at(v_all, k0, b), q0, k0)
+            return blockwise._online(ops, s, v, state)
+
+        start = (
+            ops.zeros(rows + (1,), q) + NEG_INF,
+            ops.zeros(rows + (1,), q),
+            ops.zeros(rows + (ops.shape(values)[-1],), q),
+        )
+        return blockwise._finish(ops, ops.loop(blocks.kv_count[i], key_block, start))
+
+    out, lse = ops.map_rows(query_block, len(bmap.kv_count), (queries, queries))
+    n = bmap.n_queries
+    return ops.cast(out[..., :n, :], like), lse[..., :n, :]
+
+
+def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, scale):
+    """(dQ, dK, dV) from the saved output and lse (FlashAttention-2, in ``blockwise``'s words):
+    dQ by query block over its key blocks, then dK and dV by key block over the query blocks
+    that see it, each block's P and dS recomputed."""
+    likes = (queries, keys, values)
+    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
+    out, d_out = ops.widen(out), ops.widen(d_out)
+    kv_heads = ops.shape(keys)[1] if len(ops.shape(keys)) == 4 else None
+    blocks, b = _Blocks(ops, bmap, masks, queries, kv_heads), bmap.block
+    row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
+    if d_lse is not None:
+        row_dot = row_dot - ops.widen(d_lse)
+    q_all, qs_all, do_all = blocks.q(queries), blocks.q(queries * scale), blocks.q(d_out)
+    lse_all, dot_all = blocks.q(blockwise._finite(ops, lse)), blocks.q(row_dot)
+    k_all, v_all = blocks.k(keys), blocks.k(values)
+
+    def block(x, start):
+        return ops.rows_at(x, start, b)
+
+    def d_scores(q0, k0):
+        """(P, dS, the query block, dO's) of the block at (q0, k0)."""
+        q, do = block(q_all, q0), block(do_all, q0)
+        s, v, _ = blocks.scores(block(qs_all, q0), block(k_all, k0), block(v_all, k0), q0, k0)
+        p = ops.exp(s - block(lse_all, q0))
+        return p, p * (heads.matmul_t(ops, do, v) - block(dot_all, q0)), q, do
+
+    def d_query_block(i):  # dQ = scale dS K
+        def key_block(j, state):
+            k0 = blocks.kv_index[i][j] * b
+            return (state[0] + heads.matmul(ops, d_scores(i * b, k0)[1], block(k_all, k0)),)
+
+        start = (ops.zeros(ops.shape(block(q_all, 0)), q_all),)
+        return (ops.loop(blocks.kv_count[i], key_block, start)[0] * scale,)
+
+    def d_key_block(j):  # dK = scale dS^T Q, dV = P^T dO, over each group's heads
+        def query_block(i, state):
+            p, ds, q, do = d_scores(blocks.q_index[j][i] * b, j * b)
+            dk, dv = heads.summed_tn(ops, ds, q, kv_heads), heads.summed_tn(ops, p, do, kv_heads)
+            return state[0] + dk, state[1] + dv
+
+        start = tuple(ops.zeros(ops.shape(block(x, 0)), x) for x in (k_all, v_all))
+        dk, dv = ops.loop(blocks.q_count[j], query_block, start)
+        return dk * scale, dv
+
+    (dq,) = ops.map_rows(d_query_block, len(bmap.kv_count), (queries,))
+    dk, dv = ops.map_rows(d_key_block, len(bmap.q_count), (keys, values))
+    found = (dq[..., : bmap.n_queries, :], dk[..., : bmap.n_keys, :], dv[..., : bmap.n_keys, :])
+    return tuple(ops.cast(g, like) for g, like in zip(found, likes))
