@@ -34,6 +34,7 @@ __all__ = [
     "additive_attention",
     "backend",
     "combine_attention",
+    "create_block_mask",
     "dot_product_attention",
     "explained",
     "get_backend",
@@ -89,6 +90,7 @@ def dot_product_attention(
     score_mod: Any = None,
     mask_mod: Any = None,
     scale: Any = None,
+    block_mask: Any = None,
     **unknown: Any,
 ) -> Any:
     """softmax(scale Q K^T) V with masking (scale: 1 / sqrt(d) by default), on the framework
@@ -102,7 +104,8 @@ def dot_product_attention(
     scores are computed in blocks of ``block_size`` (None: automatically, where they would
     not fit the budget; ``multiattn.blockwise``).  ``score_mod(score, b, h, q_idx, kv_idx)``
     on the scaled scores and ``mask_mod(b, h, q_idx, kv_idx)`` ANDed with the masks: your
-    own or ready-made ones (``multiattn.mods``).
+    own or ready-made ones (``multiattn.mods``).  ``block_mask``: all of the masks as one value
+    made once by ``create_block_mask`` and reused, instead of the mask arguments.
     """
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
@@ -110,7 +113,7 @@ def dot_product_attention(
     return get_backend(name).dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
-        score_mod=score_mod, mask_mod=mask_mod, scale=scale,
+        score_mod=score_mod, mask_mod=mask_mod, scale=scale, block_mask=block_mask,
         **unknown,
     )  # fmt: skip
 
@@ -163,6 +166,7 @@ def multi_head_attention(
     mask_mod: Any = None,
     num_kv_heads: Any = None,
     scale: Any = None,
+    block_mask: Any = None,
     **unknown: Any,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
@@ -170,7 +174,8 @@ def multi_head_attention(
     optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
     ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``.  ``num_kv_heads``:
     grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
-    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads))."""
+    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads)).  ``block_mask``: as in
+    ``dot_product_attention``."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
@@ -178,9 +183,36 @@ def multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
         block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,
-        scale=scale,
+        scale=scale, block_mask=block_mask,
         **unknown,
     )  # fmt: skip
+
+
+def create_block_mask(
+    mask_mod: Any = None,
+    *,
+    batch: int,
+    q_len: int,
+    kv_len: int,
+    causal: bool = False,
+    valid_lens: Any = None,
+    attention_mask: Any = None,
+    block_size: Any = None,
+    like: Any,
+) -> Any:
+    """Every mask of calls with ``batch`` sequences of ``q_len`` queries over ``kv_len`` keys
+    as one value, for ``block_mask=`` (FlexAttention's ``create_block_mask``): made once,
+    reused by every call and layer; the calls give what passing the same masks gives.  The
+    masks are normalised (causal beside a mask function that implies it, lengths that hide
+    no key: dropped) and, per block size, which key blocks each query block visits is
+    computed once.  ``like``: a tensor of the framework (and device) of the calls;
+    ``block_size``: the calls' (None: automatic)."""
+    from . import block_mask
+
+    name = framework_of_call(like=like, valid_lens=valid_lens, attention_mask=attention_mask)
+    return block_mask.create(
+        get_backend(name).ops, mask_mod, batch, q_len, kv_len, causal, valid_lens, attention_mask, block_size
+    )
 
 
 def combine_attention(parts: Any) -> Any:

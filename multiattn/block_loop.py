@@ -65,11 +65,13 @@ def attention(
 ) -> Tuple[Tensor, Tensor]:
     """(output, lse (B, [H,] Q)) of dot-product attention, the loop over the block map forward
     and backward (``Ops.custom_gradient``)."""
-    bmap = BlockMap(ops, masks, ops.shape(queries)[-2], ops.shape(keys)[-2], block_size)
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    made = masks.block_mask
+    bmap = BlockMap(ops, masks, n_queries, n_keys, block_size) if made is None else made.block_map(block_size)
     names = [name for name in ("valid_lens", "attention_mask") if getattr(masks, name) is not None]
 
     def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
-        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod)
+        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod, block_mask=made)
 
     def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
         return _forward(ops, bmap, q, k, v, rebuilt(given), scale)

@@ -143,6 +143,9 @@ class Plan:
     def shown(self, q0: int, q1: int) -> List[Tuple[int, Tuple[int, int], str, Tuple[str, ...]]]:
         """(index, (k0, k1), kind, parts) of each key block the queries [q0, q1) do not skip;
         blocks outside ``key_range`` known hidden without examining them."""
+        kept = None if self.masks.block_mask is None else self.masks.block_mask.shown
+        if kept is not None and (self.block, q0, q1) in kept:  # a block mask's, computed before
+            return kept[self.block, q0, q1]
         lo, hi = self.key_range(q0, q1)
         found = []
         for at, (k0, k1) in enumerate(self.key_blocks):
@@ -151,6 +154,8 @@ class Plan:
             kind, parts = self.kind(q0, q1, k0, k1)
             if kind != SKIP:
                 found.append((at, (k0, k1), kind, parts))
+        if kept is not None:
+            kept[self.block, q0, q1] = found
         return found
 
     def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
@@ -756,7 +761,8 @@ def attention(
     constants = tuple(getattr(masks, name) for name in names)
 
     def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
-        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod)
+        kept = dict(causal=masks.causal, mask_mod=masks.mask_mod, block_mask=masks.block_mask)
+        return Masks(**dict(zip(names, given)), **kept)
 
     def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
         return attention_in_blocks(ops, q, k, v, rebuilt(given), block_size=block_size, scale=scale)

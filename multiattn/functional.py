@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Tuple
 
 from . import blockwise, core, validation
 from ._registry import known_types
+from .block_mask import unpacked
 from .protocol import Ops, Tensor
 
 
@@ -67,12 +68,14 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         score_mod: Any = None,
         mask_mod: Any = None,
         scale: Any = None,
+        block_mask: Any = None,
         **unknown: Any,
     ) -> Any:
         """softmax(scale Q K^T) V (scale: 1 / sqrt(d)); 3-D (B, Q, d) or 4-D (B, H, Q, d) with
         keys and values (B, H_kv, K, .), H_kv dividing H; with return_weights, (output,
         weights); with return_lse, lse (B, [H,] Q) last: the log of the sum of exp of each
-        row's visible scores.  score_mod and mask_mod: ``multiattn.mods``.
+        row's visible scores.  score_mod and mask_mod: ``multiattn.mods``; block_mask: every
+        mask as one value (``multiattn.create_block_mask``), instead of the mask arguments.
 
         Without return_weights the framework's fused kernel runs where there is one, and the
         scores are computed in blocks of block_size (None: where they would not fit).
@@ -94,10 +97,16 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 valid_lens=valid_lens,
                 attention_mask=attention_mask,
             )
+        if block_mask is not None:
+            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
+            valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+                block_mask, ops, queries, keys, given, block_size
+            )
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
         score_mod, masks = validation.with_mods(
             score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
         )
+        masks = masks.with_block_mask(block_mask)
         block_size = validation.check_block_size(block_size, return_weights)
         validation.check_flag("return_lse", return_lse)
         result = core.dot_product_attention(
@@ -163,6 +172,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         mask_mod: Any = None,
         num_kv_heads: Any = None,
         scale: Any = None,
+        block_mask: Any = None,
         **unknown: Any,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
@@ -171,7 +181,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         (None: where the scores would not fit).  num_kv_heads: grouped-query attention, W_k,
         W_v (and b_k, b_v) of num_kv_heads * h / num_heads rows, query head i using key/value
         head i // (num_heads / num_kv_heads).  scale: of each head's q k^T (None: 1 / sqrt(h /
-        num_heads))."""
+        num_heads)).  block_mask: every mask as one value (``multiattn.create_block_mask``)."""
         if unknown:
             validation.unknown_keywords("multi_head_attention", unknown, keywords["multi_head_attention"])
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
@@ -184,6 +194,11 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             ops, weights, num_heads, queries, keys, values, num_kv_heads
         )
         num_hiddens = ops.shape(weights["W_q"])[0]
+        if block_mask is not None:
+            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
+            valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+                block_mask, ops, queries, keys, given, block_size
+            )
         block_size = validation.check_block_size(block_size, return_weights)
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
@@ -191,6 +206,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         score_mod, masks = validation.with_mods(
             score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
         )
+        masks = masks.with_block_mask(block_mask)
         project = {
             n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n))
             for n in "qkvo"

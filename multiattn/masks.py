@@ -21,7 +21,7 @@ class Masks:
 
     __slots__ = (
         "valid_lens", "attention_mask", "causal", "mask_mod",
-        "none", "only_lengths", "one_length_per_sequence",
+        "none", "only_lengths", "one_length_per_sequence", "block_mask",
     )  # fmt: skip
 
     def __init__(
@@ -30,9 +30,11 @@ class Masks:
         attention_mask: Tensor = None,
         causal: bool = False,
         mask_mod: Any = None,
+        block_mask: Any = None,
     ) -> None:
         self.valid_lens, self.attention_mask, self.causal = valid_lens, attention_mask, causal
         self.mask_mod = mask_mod
+        self.block_mask = block_mask  # the ``BlockMask`` they came from, whose block maps are kept
         others = attention_mask is not None or causal or mask_mod is not None
         self.none = valid_lens is None and not others
         self.only_lengths = valid_lens is not None and not others
@@ -56,6 +58,12 @@ class Masks:
             found = all_of(ops, [self.attention_mask, found], len(shape))
         return Masks(self.valid_lens, found, self.causal)
 
+    def with_block_mask(self, block_mask: Any) -> "Masks":
+        """These masks, made by block_mask (None: as they are): its block maps serve them."""
+        if block_mask is None:
+            return self
+        return Masks(self.valid_lens, self.attention_mask, self.causal, self.mask_mod, block_mask)
+
     def without_idle_lengths(self, ops: Ops, n_keys: int) -> "Masks":
         """These masks without lengths that hide no key (every length > n_keys - 1), read on the
         host where the framework allows (never where traced): the blocks' plan and the fast
@@ -63,7 +71,7 @@ class Masks:
         host = None if self.valid_lens is None else ops.host_values(self.valid_lens)
         if host is None or not host.size or not (host > n_keys - 1).all():  # NaN: kept
             return self
-        return Masks(None, self.attention_mask, self.causal, self.mask_mod)
+        return Masks(None, self.attention_mask, self.causal, self.mask_mod, self.block_mask)
 
 
 NO_MASKS = Masks()

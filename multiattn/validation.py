@@ -584,7 +584,6 @@ FOREIGN_KEYWORDS = {
     "torch.nn.MultiheadAttention's key_padding_mask)",
     "is_causal": "use causal=",
     "use_causal_mask": "use causal=",
-    "block_mask": "use mask_mod= with causal= and valid_lens: the masks themselves, skipped block by block",
     "enable_gqa": "drop it: grouped heads are read from the shapes (keys and values with fewer heads)",
     "need_weights": "use return_weights=",
     "return_attention_scores": "use return_weights=",

@@ -224,7 +224,6 @@ def test_the_mistakes_people_type_get_one_line_naming_the_argument(bk):
         (dict(attn_mask=q), r"'attn_mask'; use attention_mask= \(boolean, True: may attend"),
         (dict(is_causal=True), r"'is_causal'; use causal=$"),
         (dict(enable_gqa=True), r"'enable_gqa'; drop it: grouped heads are read from the shapes"),
-        (dict(block_mask=None), r"'block_mask'; use mask_mod= with causal= and valid_lens"),
     ]  # fmt: skip
     for kw, message in cases:
         with pytest.raises(TypeError, match=message):
