@@ -22,7 +22,9 @@ class BlockMask:
     """The masks of calls with ``batch`` sequences of ``q_len`` queries over ``kv_len`` keys on
     one backend (``multiattn.create_block_mask``), and their block maps once computed."""
 
-    def __init__(self, ops: Any, masks: Masks, batch: int, q_len: int, kv_len: int, block_size: Optional[int]):
+    def __init__(
+        self, ops: Any, masks: Masks, batch: int, q_len: int, kv_len: int, block_size: Optional[int]
+    ) -> None:
         self.ops, self.masks, self.block_size = ops, masks, block_size
         self.shape = (batch, q_len, kv_len)
         self.maps: dict = {}  # block side -> block_loop.BlockMap

@@ -98,7 +98,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         if block_mask is not None:
-            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
+            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal)
+            given["mask_mod"] = mask_mod
             valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
                 block_mask, ops, queries, keys, given, block_size
             )
@@ -195,7 +196,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         )
         num_hiddens = ops.shape(weights["W_q"])[0]
         if block_mask is not None:
-            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
+            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal)
+            given["mask_mod"] = mask_mod
             valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
                 block_mask, ops, queries, keys, given, block_size
             )
