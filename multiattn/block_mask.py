@@ -96,9 +96,9 @@ def create(
     return BlockMask(ops, masks.without_idle_lengths(ops, kv_len), batch, q_len, kv_len, block_size)
 
 
-def unpacked(block_mask: Any, ops: Any, queries: Tensor, keys: Tensor, given: dict, block_size: Any) -> tuple:
-    """(valid_lens, attention_mask, causal, mask_mod, block_size) of a call with block_mask:
-    the block mask's, after checking that the call gives no masks of its own and that its
+def unpacked(block_mask: Any, ops: Any, queries: Tensor, keys: Tensor, given: dict) -> tuple:
+    """(valid_lens, attention_mask, causal, mask_mod) of a call with block_mask: the block
+    mask's, after checking that the call gives no masks of its own and that its
     batch, queries and keys are the block mask's."""
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
@@ -120,5 +120,4 @@ def unpacked(block_mask: Any, ops: Any, queries: Tensor, keys: Tensor, given: di
             f"block_mask was made for (batch, q_len, kv_len) = {block_mask.shape}, the call has {call}"
         )
     masks = block_mask.masks
-    size = block_mask.block_size if block_size is None else block_size
-    return masks.valid_lens, masks.attention_mask, masks.causal, masks.mask_mod, size
+    return masks.valid_lens, masks.attention_mask, masks.causal, masks.mask_mod

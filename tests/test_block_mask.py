@@ -106,3 +106,23 @@ def test_a_block_mask_of_another_framework_is_refused():
     bm = multiattn.create_block_mask(batch=B, q_len=Q, kv_len=K, causal=True, like=torch.zeros(1))
     with pytest.raises(TypeError, match=r"^block_mask was made for torch tensors, the call's are numpy's"):
         multiattn.dot_product_attention(q, q[:, :2, :K], q[:, :2, :K], block_mask=bm)
+
+
+def test_every_frameworks_layers_take_a_block_mask(bk):
+    """One block mask for the layers of a model: each call gives what its masks as arguments give."""
+    supported(bk, "float32")
+    rng = np.random.default_rng(4)
+    weights = {n: rng.normal(size=(8, 8)) * 0.3 for n in ("W_q", "W_k", "W_v", "W_o")}
+    x, kv = (bk.tensor(rng.normal(size=(B, n, 8)), "float32") for n in (Q, K))
+    layers = [bk.multi_head(8, 2, weights=weights, need_weights=need) for need in (True, False)]
+    bm, in_blocks = _block_mask(bk, x), _block_mask(bk, x, block_size=4)
+    masks = dict(MASKS, valid_lens=bk.tensor(LENS), attention_mask=bk.tensor(MASK))
+    for layer in layers * 2:  # each layer twice, the same block mask
+        want = bk.numpy(bk.call(layer, x, kv, kv, **masks))
+        np.testing.assert_array_equal(bk.numpy(bk.call(layer, x, kv, kv, block_mask=bm)), want)
+        # the block mask's block size: the blocks even where the weights are not kept
+        assert_close(bk, bk.call(layer, x, kv, kv, block_mask=in_blocks), want, "float32")
+    q, k, v = (bk.tensor(a, "float32") for a in _inputs(5))
+    dot = bk.dot()
+    got = bk.call(dot, q, k, v, block_mask=in_blocks)
+    assert_close(bk, got, ref.heads_attention(*_inputs(5), LENS, MASK, True, mask_fn=_window)[0], "float32")

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import core, validation
+from ..block_mask import unpacked
 from ..protocol import Ops, Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
@@ -195,7 +196,7 @@ class AttentionCall:
     def _no_unknown(self, unknown: dict) -> None:
         """TypeError for keywords the call does not take: did you mean, or ours for torch's."""
         if unknown:
-            keywords = ("valid_lens", "attention_mask", "causal", "score_mod", "mask_mod")
+            keywords = ("valid_lens", "attention_mask", "causal", "score_mod", "mask_mod", "block_mask")
             validation.unknown_keywords(f"{type(self).__name__}.__call__", unknown, keywords)
 
     def _check(self, queries, keys, values, valid_lens, attention_mask):
@@ -203,12 +204,23 @@ class AttentionCall:
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
         )
 
+    def _block_masks(self, block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod):
+        """(valid_lens, attention_mask, causal, mask_mod, block_size) of a call, from block_mask
+        where given (``block_mask.unpacked``)."""
+        if block_mask is None:
+            return valid_lens, attention_mask, causal, mask_mod, None
+        given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
+        return (*unpacked(block_mask, self._ops, queries, keys, given), block_mask.block_size)
+
     def _dot_product(
         self, queries, keys, values, valid_lens, dropout, need_weights=True, attention_mask=None,
-        causal=False, score_mod=None, mask_mod=None,
+        causal=False, score_mod=None, mask_mod=None, block_mask=None,
     ):  # fmt: skip
         """(output, weights or None) of dot-product attention."""
         self._check(queries, keys, values, valid_lens, attention_mask)
+        valid_lens, attention_mask, causal, mask_mod, block_size = self._block_masks(
+            block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod
+        )
         masks = validation.dot_product_call(
             self._ops, queries, keys, values, valid_lens, attention_mask, causal
         )
@@ -216,8 +228,8 @@ class AttentionCall:
             score_mod, mask_mod, masks, validation.mod_sizes(self._ops, queries, keys)
         )
         return core.dot_product_attention(
-            self._ops, queries, keys, values, masks, dropout=dropout, need_weights=need_weights,
-            score_mod=score_mod,
+            self._ops, queries, keys, values, masks.with_block_mask(block_mask), dropout=dropout,
+            need_weights=need_weights, score_mod=score_mod, block_size=None if need_weights else block_size,
         )  # fmt: skip
 
     def _project(self, name: str, like: Tensor) -> Callable[[Tensor], Tensor]:
@@ -251,10 +263,13 @@ class AttentionCall:
 
     def _multi_head(
         self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal,
-        score_mod=None, mask_mod=None,
+        score_mod=None, mask_mod=None, block_mask=None,
     ):  # fmt: skip
         """(output, weights or None) of multi-head attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
+        valid_lens, attention_mask, causal, mask_mod, block_size = self._block_masks(
+            block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod
+        )
         sizes = (self.query_size, self.key_size, self.value_size)
         masks = validation.multi_head_call(
             self._ops,
@@ -272,8 +287,9 @@ class AttentionCall:
             score_mod, mask_mod, masks, validation.mod_sizes(self._ops, queries, keys)
         )
         return core.multi_head_attention(
-            self._ops, queries, keys, values, masks,
+            self._ops, queries, keys, values, masks.with_block_mask(block_mask),
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
             num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights, score_mod=score_mod,
             num_kv_heads=getattr(self, "num_kv_heads", None),  # None: pickled before it existed
+            block_size=None if need_weights else block_size,
         )  # fmt: skip

@@ -73,13 +73,13 @@ class DotProductAttention(_Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None,
+        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None,
         **unknown,
     ):  # fmt: skip
         self._no_unknown(unknown)
         result = self._dot_product(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal, score_mod, mask_mod,
+            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask,
         )  # fmt: skip
         return self._finish(result, return_weights)
 
@@ -161,13 +161,13 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None,
+        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None,
         **unknown,
     ):  # fmt: skip
         self._no_unknown(unknown)
         result = self._multi_head(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal, score_mod, mask_mod,
+            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask,
         )  # fmt: skip
         return self._finish(result, return_weights)
 

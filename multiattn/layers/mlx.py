@@ -64,6 +64,7 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ) -> mx.array:
         self._no_unknown(unknown)
@@ -78,6 +79,7 @@ class DotProductAttention(_Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -157,6 +159,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ) -> mx.array:
         self._no_unknown(unknown)
@@ -171,6 +174,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 

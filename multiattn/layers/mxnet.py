@@ -34,12 +34,13 @@ class _Block(AttentionCall, nn.Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
         # Gluon's Block.__call__ passes positional arguments only
         return super().__call__(
-            queries, keys, values, valid_lens, attention_mask, causal, score_mod, mask_mod
+            queries, keys, values, valid_lens, attention_mask, causal, score_mod, mask_mod, block_mask
         )
 
     def _parameter(self, name):
@@ -69,6 +70,7 @@ class DotProductAttention(_Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -83,6 +85,7 @@ class DotProductAttention(_Block):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -120,9 +123,10 @@ class AdditiveAttention(AdditiveWeights, _Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
-        self._no_unknown(unknown)
+        self._no_unknown(dict(unknown, block_mask=block_mask) if block_mask is not None else unknown)
         out, self.attention_weights = self._additive(
             queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
         )
@@ -175,6 +179,7 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -189,5 +194,6 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out

@@ -76,6 +76,7 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -90,6 +91,7 @@ class DotProductAttention(_Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -181,6 +183,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -195,5 +198,6 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out

@@ -85,6 +85,7 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -99,6 +100,7 @@ class DotProductAttention(_Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -183,6 +185,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -197,6 +200,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 

@@ -91,6 +91,7 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -105,6 +106,7 @@ class DotProductAttention(_Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -221,6 +223,7 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -235,6 +238,7 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 

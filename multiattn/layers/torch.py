@@ -68,6 +68,7 @@ class DotProductAttention(_Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -82,6 +83,7 @@ class DotProductAttention(_Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
@@ -182,6 +184,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         causal=False,
         score_mod=None,
         mask_mod=None,
+        block_mask=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -196,6 +199,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             causal,
             score_mod,
             mask_mod,
+            block_mask=block_mask,
         )
         return out
 
