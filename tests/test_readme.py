@@ -127,7 +127,7 @@ LONG_SEQUENCES = README.parent / "docs" / "long-sequences.md"
 def test_the_long_sequences_examples_print_what_their_comments_say():
     """docs/long-sequences.md's examples (numpy) run; each print's comment is its output."""
     blocks = re.findall(r"```python\n(.*?)```", LONG_SEQUENCES.read_text(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 3
     for block in blocks:
         result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
