@@ -22,6 +22,9 @@ from .masks import Masks, all_of, visible_values
 Tensor = Any
 Ops = Any
 NEG_INF = float("-inf")
+# the automatic block side at most: past it a block's passes, unfused in tensorflow's loop, cost
+# more than the fewer steps save (benchmarks/RESULTS.md, 2026-12-05 fourth session)
+MAX_BLOCK = 1024
 
 
 class BlockMap:

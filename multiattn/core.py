@@ -82,6 +82,7 @@ def dot_product_attention(
                     return done
             if score_mod is None:  # a compiler's one loop where traced, else the host's plan
                 loop = block_loop if block_loop.usable(ops, queries, masks) else blockwise
+                block_size = block_size if forced or loop is blockwise else min(block_size, loop.MAX_BLOCK)
                 out, lse = loop.attention(
                     ops, queries, keys, values, masks, scale=scale, block_size=block_size
                 )
