@@ -48,22 +48,55 @@ def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = 
 
 
 def automatic_block_size(
-    ops: Ops, queries: Tensor, keys: Tensor, per_score: int = 1, mask_mod: Any = None
+    ops: Ops, queries: Tensor, keys: Tensor, per_score: int = 1, mask_mod: Any = None, masks: Masks = None
 ) -> Optional[int]:
-    """The block size where the scores of this call would exceed ``SCORES_BUDGET_BYTES``, else
-    None (the materialised path).  per_score: the values made per score (additive attention:
-    its hidden features); mask_mod: a mask function, whose structure may ask for smaller blocks
+    """The block size where the scores of this call would exceed ``SCORES_BUDGET_BYTES``, or half
+    of it where the masks keep at most ``KEPT_FOR_BLOCKS`` of them (``kept_fraction``), else None
+    (the materialised path).  per_score: the values made per score (additive attention: its
+    hidden features); mask_mod: a mask function, whose structure may ask for smaller blocks
     (``MaskFunction.block_side``, not below MIN_BLOCK).  Unknown (traced) sizes count as fitting."""
     shape = tuple(ops.shape(queries)[:-1]) + (ops.shape(keys)[-2],)
     if any(size is None for size in shape):
         return None
     itemsize = 8 if ops.lowest(queries) < -1e300 else 4  # half types are computed in float32
-    if math.prod(shape) * itemsize <= SCORES_BUDGET_BYTES:
+    scores = math.prod(shape) * itemsize
+    if scores <= SCORES_BUDGET_BYTES and not (
+        masks is not None
+        and scores > SCORES_BUDGET_BYTES // 2
+        and kept_fraction(ops, masks, shape[-2], shape[-1]) <= KEPT_FOR_BLOCKS
+    ):
         return None
     side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
     side = side if per_score > 1 else side * ops.compiled_block_scale
     favoured = None if mask_mod is None else mask_mod.block_side(ops)
     return side if favoured is None else min(side, max(favoured, MIN_BLOCK))
+
+
+# where the masks keep at most this much of the scores, the blocks, which skip the rest, beat
+# the whole scores from half the budget on every backend (benchmarks/RESULTS.md, 2026-12-05)
+KEPT_FOR_BLOCKS = 0.6
+
+
+def kept_fraction(ops: Ops, masks: Masks, n_queries: int, n_keys: int) -> float:
+    """At most how much of the scores the masks keep, from what the host knows: causality, a
+    mask function's key ranges, lengths read on the host (1.0: not known)."""
+    kept = 1.0
+    mod = masks.mask_mod
+    if masks.causal or (mod is not None and mod.implies_causal()):  # sum over i of min(i + 1, K)
+        below = min(n_queries, n_keys)
+        kept = (below * (below + 1) // 2 + (n_queries - below) * n_keys) / (n_queries * n_keys)
+    if mod is not None:
+        step = MIN_BLOCK
+        ranges = [(q0, min(q0 + step, n_queries), mod.key_range(q0, min(q0 + step, n_queries)))
+                  for q0 in range(0, n_queries, step)]  # fmt: skip
+        if all(r is not None for *_, r in ranges):
+            seen = sum((q1 - q0) * max(min(hi, n_keys) - max(lo, 0), 0) for q0, q1, (lo, hi) in ranges)
+            kept = min(kept, seen / (n_queries * n_keys))
+    host = None if masks.valid_lens is None else ops.host_values(masks.valid_lens)
+    if host is not None and host.size:
+        lengths = np.nan_to_num(np.asarray(host, dtype=np.float64), nan=0.0)
+        kept = min(kept, float(np.clip(lengths, 0, n_keys).mean()) / n_keys)
+    return kept
 
 
 # -- which blocks run, and which need masking ---------------------------------------------------

@@ -72,7 +72,9 @@ def dot_product_attention(
         scale = 1.0 / math.sqrt(q_shape[-1])
     if not need_weights and dropout is None:
         forced = block_size is not None
-        block_size = block_size or blockwise.automatic_block_size(ops, queries, keys, mask_mod=masks.mask_mod)
+        block_size = block_size or blockwise.automatic_block_size(
+            ops, queries, keys, mask_mod=masks.mask_mod, masks=masks
+        )
         if block_size is not None:
             masks = masks.without_idle_lengths(ops, ops.shape(keys)[-2])
             if score_mod is None and not (forced or need_lse):  # a framework's kernel that never holds

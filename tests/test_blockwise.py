@@ -4,6 +4,8 @@ returns, ``combine_attention``, the automatic choice and the errors."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -258,7 +260,7 @@ def test_combine_attention_errors(bk):
 
 def test_scores_past_the_budget_run_in_blocks_without_being_asked(bk, monkeypatch):
     calls = force_blocks(monkeypatch, 3)  # records; the size the budget would choose: 3
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: 3)
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, **options: 3)
     rng = np.random.default_rng(2)
     q, k, v = (bk.tensor(rng.normal(size=(2, 7, 4)), "float32") for _ in range(3))
     out = multiattn.dot_product_attention(q, k, v, causal=True)
@@ -287,6 +289,28 @@ def test_the_automatic_block_size_follows_the_budget_and_the_cache(monkeypatch):
     side = blockwise.automatic_block_size(backend.ops, large, large)
     monkeypatch.setattr(backend.ops, "compiled_block_scale", 2)  # compiled steps: larger blocks
     assert blockwise.automatic_block_size(backend.ops, large, large) == 2 * side
+
+
+def test_masks_that_hide_most_scores_take_the_blocks_from_half_the_budget(monkeypatch):
+    """The choice counts the scores the masks keep (``kept_fraction``): from half the budget, a
+    call keeping at most ``KEPT_FOR_BLOCKS`` of them runs in blocks, which skip the rest."""
+    from multiattn.backends import numpy as backend
+
+    x = np.zeros((1, 1024, 8), np.float32)
+    kept = functools.partial(blockwise.kept_fraction, backend.ops, n_queries=1024, n_keys=1024)
+    assert kept(Masks()) == 1.0
+    assert kept(Masks(causal=True)) == pytest.approx(0.5 + 0.5 / 1024)
+    assert kept(Masks(valid_lens=np.array([256, np.nan]))) == 0.125  # a NaN length shows nothing
+    assert kept(Masks(mask_mod=mods.sliding_window(128))) < 0.25  # its key ranges, by 128 queries
+    assert kept(Masks(valid_lens=np.array([1000]), causal=True)) == pytest.approx(0.5 + 0.5 / 1024)
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 1024 * 1024 * 4)  # the scores fit
+    choose = functools.partial(blockwise.automatic_block_size, backend.ops, x, x)
+    assert choose(masks=Masks()) is None
+    assert choose(masks=Masks(valid_lens=np.array([700]))) is None  # keeps 0.68
+    assert choose(masks=Masks(causal=True)) is not None
+    assert choose(masks=Masks(valid_lens=np.array([256]))) is not None
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 1024 * 1024 * 8)  # below half of it
+    assert choose(masks=Masks(causal=True)) is None
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True, "8"])
