@@ -96,15 +96,30 @@ def create(
     return BlockMask(ops, masks.without_idle_lengths(ops, kv_len), batch, q_len, kv_len, block_size)
 
 
-def unpacked(block_mask: Any, ops: Any, queries: Tensor, keys: Tensor, given: dict) -> tuple:
-    """(valid_lens, attention_mask, causal, mask_mod) of a call with block_mask: the block
-    mask's, after checking that the call gives no masks of its own and that its
+def unpacked(
+    block_mask: Any,
+    ops: Any,
+    queries: Tensor,
+    keys: Tensor,
+    valid_lens: Tensor,
+    attention_mask: Tensor,
+    causal: Any,
+    mask_mod: Any,
+    block_size: Any,
+    weights: bool,
+) -> tuple:
+    """(valid_lens, attention_mask, causal, mask_mod, block_size) of a call: its own where
+    block_mask is None, else the block mask's (its block size where the call gives none and
+    wants no weights), after checking that the call gives no masks of its own and that its
     batch, queries and keys are the block mask's."""
+    if block_mask is None:
+        return valid_lens, attention_mask, causal, mask_mod, block_size
     if not isinstance(block_mask, BlockMask):
         raise TypeError(
             "block_mask must be a multiattn.create_block_mask(...) value, got "
             f"{type(block_mask).__module__}.{type(block_mask).__name__}"
         )
+    given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
     also = [name for name, value in given.items() if value is not None and value is not False]
     if also:
         raise ValueError(
@@ -120,4 +135,5 @@ def unpacked(block_mask: Any, ops: Any, queries: Tensor, keys: Tensor, given: di
             f"block_mask was made for (batch, q_len, kv_len) = {block_mask.shape}, the call has {call}"
         )
     masks = block_mask.masks
-    return masks.valid_lens, masks.attention_mask, masks.causal, masks.mask_mod
+    size = block_mask.block_size if block_size is None and not weights else block_size
+    return masks.valid_lens, masks.attention_mask, masks.causal, masks.mask_mod, size

@@ -98,11 +98,10 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 attention_mask=attention_mask,
             )
         if block_mask is not None:
-            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal)
-            given["mask_mod"] = mask_mod
-            valid_lens, attention_mask, causal, mask_mod = unpacked(block_mask, ops, queries, keys, given)
-            if block_size is None and not return_weights:  # the block mask's, where blocks may run
-                block_size = block_mask.block_size
+            valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+                block_mask, ops, queries, keys, valid_lens, attention_mask, causal, mask_mod, block_size,
+                return_weights,
+            )  # fmt: skip
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
         score_mod, masks = validation.with_mods(
             score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
@@ -196,11 +195,10 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         )
         num_hiddens = ops.shape(weights["W_q"])[0]
         if block_mask is not None:
-            given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal)
-            given["mask_mod"] = mask_mod
-            valid_lens, attention_mask, causal, mask_mod = unpacked(block_mask, ops, queries, keys, given)
-            if block_size is None and not return_weights:  # the block mask's, where blocks may run
-                block_size = block_mask.block_size
+            valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+                block_mask, ops, queries, keys, valid_lens, attention_mask, causal, mask_mod, block_size,
+                return_weights,
+            )  # fmt: skip
         block_size = validation.check_block_size(block_size, return_weights)
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens

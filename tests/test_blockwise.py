@@ -260,7 +260,7 @@ def test_combine_attention_errors(bk):
 
 def test_scores_past_the_budget_run_in_blocks_without_being_asked(bk, monkeypatch):
     calls = force_blocks(monkeypatch, 3)  # records; the size the budget would choose: 3
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, **options: 3)
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: 3)
     rng = np.random.default_rng(2)
     q, k, v = (bk.tensor(rng.normal(size=(2, 7, 4)), "float32") for _ in range(3))
     out = multiattn.dot_product_attention(q, k, v, causal=True)

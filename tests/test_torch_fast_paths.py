@@ -509,7 +509,7 @@ def spans(monkeypatch):
 
     taken: list = []
     real = fast_paths.attention_over_spans
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: 3)
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: 3)
     monkeypatch.setattr(fast_paths, "attention_over_spans", lambda *a: taken.append(a[-1]) or real(*a))
     return taken
 
@@ -580,9 +580,7 @@ def _sdpa_calls(monkeypatch, block):
 
     from multiattn import blockwise
 
-    monkeypatch.setattr(
-        blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: block
-    )
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: block)
     made, real = [], F.scaled_dot_product_attention
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", lambda *a, **kw: made.append(a[0].shape) or real(*a, **kw)
@@ -692,7 +690,7 @@ def test_grouped_heads_past_the_budget_by_sdpa_match_the_reference(monkeypatch, 
     from .test_grouped_heads import CASES, HEADS, _finite_differences, _inputs, _reference
 
     monkeypatch.setitem(CASES, "causal", dict(causal=True))
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, per_score=1, mask_mod=None: 2)
+    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: 2)
     calls, real = [], F.scaled_dot_product_attention
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw)

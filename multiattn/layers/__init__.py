@@ -204,23 +204,16 @@ class AttentionCall:
             queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
         )
 
-    def _block_masks(self, block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod):
-        """(valid_lens, attention_mask, causal, mask_mod, block_size) of a call, from block_mask
-        where given (``block_mask.unpacked``)."""
-        if block_mask is None:
-            return valid_lens, attention_mask, causal, mask_mod, None
-        given = dict(valid_lens=valid_lens, attention_mask=attention_mask, causal=causal, mask_mod=mask_mod)
-        return (*unpacked(block_mask, self._ops, queries, keys, given), block_mask.block_size)
-
     def _dot_product(
         self, queries, keys, values, valid_lens, dropout, need_weights=True, attention_mask=None,
         causal=False, score_mod=None, mask_mod=None, block_mask=None,
     ):  # fmt: skip
         """(output, weights or None) of dot-product attention."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        valid_lens, attention_mask, causal, mask_mod, block_size = self._block_masks(
-            block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod
-        )
+        valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+            block_mask, self._ops, queries, keys, valid_lens, attention_mask, causal, mask_mod, None,
+            need_weights,
+        )  # fmt: skip
         masks = validation.dot_product_call(
             self._ops, queries, keys, values, valid_lens, attention_mask, causal
         )
@@ -229,7 +222,7 @@ class AttentionCall:
         )
         return core.dot_product_attention(
             self._ops, queries, keys, values, masks.with_block_mask(block_mask), dropout=dropout,
-            need_weights=need_weights, score_mod=score_mod, block_size=None if need_weights else block_size,
+            need_weights=need_weights, score_mod=score_mod, block_size=block_size,
         )  # fmt: skip
 
     def _project(self, name: str, like: Tensor) -> Callable[[Tensor], Tensor]:
@@ -267,9 +260,10 @@ class AttentionCall:
     ):  # fmt: skip
         """(output, weights or None) of multi-head attention with this layer's parameters."""
         self._check(queries, keys, values, valid_lens, attention_mask)
-        valid_lens, attention_mask, causal, mask_mod, block_size = self._block_masks(
-            block_mask, queries, keys, valid_lens, attention_mask, causal, mask_mod
-        )
+        valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
+            block_mask, self._ops, queries, keys, valid_lens, attention_mask, causal, mask_mod, None,
+            need_weights,
+        )  # fmt: skip
         sizes = (self.query_size, self.key_size, self.value_size)
         masks = validation.multi_head_call(
             self._ops,
@@ -291,5 +285,5 @@ class AttentionCall:
             project={n: self._project(n, queries) for n in "qkvo"}, num_heads=self.num_heads,
             num_hiddens=self.num_hiddens, dropout=dropout, need_weights=need_weights, score_mod=score_mod,
             num_kv_heads=getattr(self, "num_kv_heads", None),  # None: pickled before it existed
-            block_size=None if need_weights else block_size,
+            block_size=block_size,
         )  # fmt: skip
