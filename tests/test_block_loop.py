@@ -16,7 +16,8 @@ from multiattn import block_loop, mods
 from multiattn.masks import Masks
 
 from . import reference as ref
-from .test_gradients import assert_gradients_close, central_differences, needs_autodiff
+from .harness import harness
+from .test_gradients import assert_gradients_close, central_differences
 from .test_mods import _jitted, supported
 from .tolerances import assert_close
 
@@ -40,7 +41,9 @@ CASES = {
 REFERENCE_MASKS = {  # the reference's, of Python ints
     "lengths (B,), window and a user's mask_mod": lambda b, h, i, j: 0 <= i - j < 5 and (i + j) % 3 != 0
 }
-COMPILED = ("jax", "tensorflow")
+# the backends whose loop primitives a compiler sees (``Ops.loop_primitives``), each run where
+# it is under test
+COMPILED = [pytest.param(name, marks=pytest.mark.backend(name)) for name in ("jax", "tensorflow")]
 
 
 def _inputs(seed, b=B, h=H, kv=KV, q=Q, k=K):
@@ -63,15 +66,11 @@ def _reference(case, q, k, v):
     return ref.heads_attention(q, k, v, kw.pop("valid_lens"), mask_fn=REFERENCE_MASKS.get(case), **kw)[0]
 
 
-def _compiled_only(bk):
-    if bk.name not in COMPILED:
-        pytest.skip(f"{bk.name} has no loop primitive: its blocks run as before (tests/test_blockwise.py)")
-
-
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_the_compiled_loop_matches_the_reference(bk, dtype, case):
-    _compiled_only(bk)
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_compiled_loop_matches_the_reference(name, dtype, case):
+    bk = harness(name)
     supported(bk, dtype)
     args = [bk.tensor(x, dtype) for x in _inputs(1)]
     want = _reference(case, *(bk.numpy(x).astype(np.float64) for x in args))
@@ -87,10 +86,9 @@ def _differences(case):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_compiled_loops_gradients_match_finite_differences(bk, case):
-    _compiled_only(bk)
-    needs_autodiff(bk)
-    supported(bk, "float64")
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_compiled_loops_gradients_match_finite_differences(name, case):
+    bk = harness(name)
     inputs, cotangent, want = _differences(case)
     tensors = [bk.tensor(x, "float64") for x in inputs.values()]
     attend = _call(bk, case, tensors)
@@ -113,8 +111,9 @@ def _program_size(bk, fn, args):
     return len([op for op in graph.get_operations() if op.type not in ("Const", "Fill")])
 
 
-def test_the_compiled_program_does_not_grow_with_the_length(bk):
-    _compiled_only(bk)
+@pytest.mark.parametrize("name", COMPILED)
+def test_the_compiled_program_does_not_grow_with_the_length(name):
+    bk = harness(name)
     sizes = {}
     for n in (64, 256):  # 16 and 64 blocks a side
         args = [bk.tensor(x, "float32") for x in _inputs(4, q=n, k=n)]

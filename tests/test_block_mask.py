@@ -100,8 +100,10 @@ def test_block_mask_mistakes_name_the_argument():
         multiattn.create_block_mask(batch=B, q_len=Q, kv_len=K, valid_lens=np.ones(3), like=q)
 
 
+@pytest.mark.backend("torch")
 def test_a_block_mask_of_another_framework_is_refused():
-    torch = pytest.importorskip("torch")
+    import torch
+
     q = np.zeros((B, H, Q, D), "float32")
     bm = multiattn.create_block_mask(batch=B, q_len=Q, kv_len=K, causal=True, like=torch.zeros(1))
     with pytest.raises(TypeError, match=r"^block_mask was made for torch tensors, the call's are numpy's"):
