@@ -28,7 +28,7 @@ class BlockMask:
         self.ops, self.masks, self.block_size = ops, masks, block_size
         self.shape = (batch, q_len, kv_len)
         self.maps: dict = {}  # block side -> block_loop.BlockMap
-        self.shown: dict = {}  # (block side, q0, q1) -> blockwise.Plan.shown's answer
+        self.shown: dict = {}  # (block side, heads, q0, q1) -> blockwise.Plan.shown's answer
 
     @property
     def valid_lens(self) -> Tensor:

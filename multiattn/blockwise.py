@@ -177,8 +177,9 @@ class Plan:
         """(index, (k0, k1), kind, parts) of each key block the queries [q0, q1) do not skip;
         blocks outside ``key_range`` known hidden without examining them."""
         kept = None if self.masks.block_mask is None else self.masks.block_mask.shown
-        if kept is not None and (self.block, q0, q1) in kept:  # a block mask's, computed before
-            return kept[self.block, q0, q1]
+        key = (self.block, self.heads, q0, q1)  # a mask function may depend on the head
+        if kept is not None and key in kept:  # a block mask's, computed before
+            return kept[key]
         lo, hi = self.key_range(q0, q1)
         found = []
         for at, (k0, k1) in enumerate(self.key_blocks):
@@ -188,7 +189,7 @@ class Plan:
             if kind != SKIP:
                 found.append((at, (k0, k1), kind, parts))
         if kept is not None:
-            kept[self.block, q0, q1] = found
+            kept[key] = found
         return found
 
     def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
