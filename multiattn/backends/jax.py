@@ -62,7 +62,11 @@ class JaxOps(NumpyLikeOps):
         return jax.lax.fori_loop(0, count, body, state)
 
     def map_rows(self, fn, count, likes):
-        return tuple(_joined(x) for x in jax.lax.map(fn, jnp.arange(count)))
+        return tuple(self.joined_rows(x) for x in jax.lax.map(fn, jnp.arange(count)))
+
+    def joined_rows(self, x):
+        x = jnp.moveaxis(x, 0, -3)  # one reshape, not a slice per block
+        return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
 
     def rows_at(self, x, start, size, axis=-2):
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
@@ -131,12 +135,6 @@ class JaxOps(NumpyLikeOps):
         return functools.partial(
             fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
         )
-
-
-def _joined(x):
-    """(count, ..., n, y) -> (..., count * n, y)."""
-    x = jnp.moveaxis(x, 0, -3)
-    return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
 
 
 def _fused_kernel(queries, keys, values, mask, scale):

@@ -188,7 +188,12 @@ class TensorFlowOps(Ops):
     def map_rows(self, fn, count, likes):
         signature = tuple(tf.TensorSpec(None, like.dtype) for like in likes)
         found = tf.map_fn(fn, tf.range(count), fn_output_signature=signature, parallel_iterations=1)
-        return tuple(_joined(x) for x in found)
+        return tuple(self.joined_rows(x) for x in found)
+
+    def joined_rows(self, x):
+        rank = len(x.shape)  # one transpose and reshape, not a slice per block
+        x = tf.transpose(x, list(range(1, rank - 2)) + [0, rank - 2, rank - 1])
+        return tf.reshape(x, x.shape[:-3] + [x.shape[-3] * x.shape[-2], x.shape[-1]])
 
     def rows_at(self, x, start, size, axis=-2):
         rank = len(x.shape)
@@ -216,13 +221,6 @@ class TensorFlowOps(Ops):
             return outputs, grad
 
         return wrapped(*tensors, *constants)
-
-
-def _joined(x: tf.Tensor) -> tf.Tensor:
-    """(count, ..., n, y) -> (..., count * n, y)."""
-    rank = len(x.shape)
-    x = tf.transpose(x, list(range(1, rank - 2)) + [0, rank - 2, rank - 1])
-    return tf.reshape(x, x.shape[:-3] + [x.shape[-3] * x.shape[-2], x.shape[-1]])
 
 
 def _dims(x: tf.Tensor) -> list:
