@@ -14,7 +14,7 @@ A block the masks hide entirely is skipped; one they show entirely is not masked
 A hidden score is -inf, and a row whose running max is still -inf (nothing visible yet) is
 exponentiated against the dtype's lowest finite value, so its terms are exactly 0: a row
 with nothing visible, or whose visible scores are all -inf, gives output 0 and lse -inf.
-Half types are computed in float32 (``ops.widen``).  Written once, over ``protocol.Ops``.
+Half types are computed in float32 (``ops.widen``).  Written once, over ``adapter.Ops``.
 """
 
 from __future__ import annotations

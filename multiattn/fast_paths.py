@@ -76,7 +76,10 @@ def offer_writing_padding(
     assignment unless the adapter has its own kernels."""
     if isinstance(lengths, str):
         return lengths
-    lengths = clip_lengths(lengths, ops.shape(scores)[-1])
+    n_keys = ops.shape(scores)[-1]
+    lengths = clip_lengths(lengths, n_keys)
+    if _unpadded_row_of_minus_inf(ops, scores, lengths, n_keys):
+        return "a row without padding whose scores are all -inf (its softmax would be NaN)"
     scores = scores if owned else copy(scores)
     return functools.partial(
         softmax_writing_padding,
@@ -89,6 +92,18 @@ def offer_writing_padding(
         zero_rows,
         copy,
     )
+
+
+def _unpadded_row_of_minus_inf(ops: Ops, scores: Tensor, lengths: list, n_keys: int) -> bool:
+    """Whether a sequence showing every key has a row of -inf scores (read on the host, as the
+    lengths were): padded rows keep a finite maximum, the dtype's lowest, and get weights 0."""
+    if any(isinstance(n, list) for n in lengths):  # a length per row: any unpadded row counts
+        return any(n == n_keys for row in lengths for n in row)
+    for b in (b for b, n in enumerate(lengths) if n == n_keys):
+        top = ops.host_values(ops.max(scores[b], -1))
+        if top is None or (top == -math.inf).any():
+            return True
+    return False
 
 
 def softmax_writing_padding(
@@ -106,7 +121,8 @@ def softmax_writing_padding(
     runs (``softmax`` may write into them), and the padding of the weights is set to 0;
     ``fill(x, lengths, value, uniform)`` writes ``x[b, ..., lengths[b]:] = value``.  Every
     masked score is the same, so a row's masked weights are equal and mostly 0 already
-    (exp underflows): the second fill may skip those (uniform).  Padded values are zeroed by
+    (exp underflows): the second fill may skip those (uniform).  A padded row whose visible
+    scores are all -inf gets weights 0 (the row rule): its maximum is finite.  Padded values are zeroed by
     ``zero_rows`` (a finite tensor needs none: 0 * x is 0), by slices in a ``copy`` if None."""
     weights = fill(softmax(fill(scores, lengths, ops.lowest(scores), False)), lengths, 0.0, True)
     if values is None:
@@ -158,7 +174,6 @@ def offer_in_scores_memory(
     values: Optional[Tensor],
     masks: Masks,
     owned: bool,
-    exact: bool,
     *,
     where: Callable[[Tensor, Tensor, float], Tensor],
     softmax: Callable[[Tensor], Tensor],
@@ -167,9 +182,7 @@ def offer_in_scores_memory(
     scores (and the weights), which the core owns."""
     if not owned:
         return "the caller's scores are never written"
-    return functools.partial(
-        core.softmax_where, ops, scores, values, masks, exact, where=where, softmax=softmax
-    )
+    return functools.partial(core.softmax_where, ops, scores, values, masks, where=where, softmax=softmax)
 
 
 # -- a fused kernel ----------------------------------------------------------------------------
@@ -323,9 +336,15 @@ def _over_strided_spans(
 
 def _kernel_call(ops: Ops, kernel: Callable[..., Tensor], q, k, v, seen: Optional[Tensor], scale: float):
     out = kernel(q, k, v, seen, scale)
-    if seen is not None and core.holds_non_finite(ops, out):  # a row seeing nothing as NaN, or a NaN seen
+    if seen is not None and _non_finite_on_host(ops, out):  # a row seeing nothing as NaN (older SDPA)
         out = ops.where(ops.any(seen, -1), out, 0.0)
     return out
+
+
+def _non_finite_on_host(ops: Ops, x: Tensor) -> bool:
+    """Whether x, read on the host (an eager path that plans on the host), holds a NaN or inf."""
+    host = ops.host_values(x)
+    return host is not None and not bool((host * 0 == 0).all())  # x * 0 is NaN where x is not finite
 
 
 def declines_fused(masks: Masks, dropout: Any, need_weights: bool) -> Optional[str]:

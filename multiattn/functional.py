@@ -14,8 +14,9 @@ from typing import Any, Callable, Mapping, Tuple
 
 from . import blockwise, core, validation
 from ._registry import known_types
+from .adapter import Ops
 from .block_mask import unpacked
-from .protocol import Ops, Tensor
+from .protocol import Tensor
 
 
 def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:

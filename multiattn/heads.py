@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 Tensor = Any
-Ops = Any  # protocol.Ops
+Ops = Any  # adapter.Ops
 
 
 def groups(ops: Ops, a: Tensor, b: Tensor) -> int:

@@ -8,7 +8,7 @@ from typing import Any, Optional
 from . import heads
 
 Tensor = Any
-Ops = Any  # protocol.Ops
+Ops = Any  # adapter.Ops
 
 
 class Masks:

@@ -1,12 +1,10 @@
 """The tensor-ops protocol: the only thing multiattn's math asks of a framework.
 
-``Ops`` is a base class in the style of einops' ``AbstractBackend``, in two halves:
-``Primitives`` (here), the required operations that raise ``NotImplementedError`` until
-an adapter defines them and that are all the core's math (``multiattn.core``) uses; and
-``specialisations.Specialisations``, the optional ways of doing a core step faster, each
-declining unless an adapter offers it.  A test fails for an adapter that defines a public
-member neither half declares (a misspelled override would otherwise switch itself off
-silently).
+``Primitives`` is a base class in the style of einops' ``AbstractBackend``: the required
+operations raise ``NotImplementedError`` until an adapter defines them, and are all the core's
+math (``multiattn.core``) uses; the optional ones have generic defaults.  This module imports no
+other multiattn module (a test).  An adapter subclasses ``adapter.Ops``: these primitives and
+``specialisations.Specialisations``, the optional ways of doing a core step faster.
 
 Tensors are used through these methods, plus what every array library has:
 ``+``, ``-``, ``*`` and ``/`` with a tensor or a Python float, and basic slicing
@@ -16,9 +14,6 @@ Tensors are used through these methods, plus what every array library has:
 from __future__ import annotations
 
 from typing import Any, Callable, List, Optional, Sequence, Tuple
-
-from . import _registry
-from .specialisations import Specialisations
 
 Tensor = Any
 Shape = Tuple[Any, ...]  # ints; None where a traced/graph dimension is unknown
@@ -244,8 +239,8 @@ class Primitives:
         return x[(slice(None),) * axis + (slice(start, start + size),)]
 
     def check_tensors(self, **tensors: Tensor) -> None:
-        """TypeError unless every non-None argument is a tensor of this backend; by name."""
-        _registry.check_framework(self.name, **tensors)
+        """TypeError unless every non-None argument is a tensor of this backend; by name
+        (``adapter.Ops`` asks the registry)."""
 
     def host_values(self, x: Tensor) -> Any:
         """x's values as a numpy array where they can be read now and cheaply (eager, on the
@@ -297,11 +292,6 @@ class Primitives:
         vectorised functions)."""
 
 
-class Ops(Primitives, Specialisations):
-    """What an adapter subclasses: the primitives (``Primitives``, required but for the last
-    three) and the optional specialisations (``specialisations.Specialisations``)."""
-
-
 REQUIRED = (
     "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
     "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
@@ -310,34 +300,12 @@ REQUIRED = (
 )  # fmt: skip
 
 
-def adapter_problems(cls: type) -> List[str]:
-    """What is wrong with an Ops subclass: a public member Ops does not declare (a misspelled
-    override would never be called), a required primitive left undefined."""
-    declared = set(dir(Ops)) - {"mro"}
-    declared.update(*(vars(klass).get("_declares", ()) for klass in cls.__mro__))  # a shared base's own
-    problems = [
-        f"{klass.__name__}.{member} is not a member of protocol.Ops (misspelled?)"
-        for klass in cls.__mro__
-        if issubclass(klass, Ops) and klass is not Ops
-        for member in vars(klass)
-        if not member.startswith("_") and member not in declared
-    ]
-    problems += [
-        f"{cls.__name__} lacks the required primitive {member}"
-        for member in REQUIRED
-        if getattr(cls, member) is getattr(Ops, member)
-    ]
-    if not cls.name:
-        problems.append(f"{cls.__name__} has no name")
-    return problems
-
-
-def dtype_kind_by_dtype(kind_of: Callable[[Any], str]) -> Callable[[Ops, Tensor], str]:
+def dtype_kind_by_dtype(kind_of: Callable[[Any], str]) -> Callable[[Primitives, Tensor], str]:
     """An ``Ops.dtype_kind`` that asks ``kind_of(dtype)`` once per dtype: the checks read the
     kind of every argument on every call, and some frameworks' dtype predicates cost a few us."""
     kinds: dict = {}
 
-    def dtype_kind(self: Ops, x: Tensor) -> str:
+    def dtype_kind(self: Primitives, x: Tensor) -> str:
         kind = kinds.get(x.dtype)
         if kind is None:
             kind = kinds[x.dtype] = kind_of(x.dtype)

@@ -22,7 +22,7 @@ NOT_OFFERED = "not offered by this backend"
 
 
 class Specialisations:
-    """The optional half of ``protocol.Ops``: offers, each declining by default."""
+    """The optional half of ``adapter.Ops``: offers, each declining by default."""
 
     # -- step ``dot_product_attend``: scores, masked softmax and pooling at once ---------------
 
@@ -66,14 +66,14 @@ class Specialisations:
     # -- step ``masked_softmax``: the weights, and the values with hidden rows zeroed ----------
 
     def masked_softmax_writing_padding(
-        self, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool
+        self, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool
     ) -> Offer:
         """One length per sequence read on the host: the padding written slice by slice
         (``fast_paths.softmax_writing_padding``) instead of two masked passes over every score."""
         return NOT_OFFERED
 
     def masked_softmax_in_scores_memory(
-        self, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, exact: bool
+        self, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool
     ) -> Offer:
         """The core's formula with each pass writing into the scores the core owns
         (``fast_paths.offer_in_scores_memory``)."""

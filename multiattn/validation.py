@@ -1,5 +1,5 @@
 """Argument checks of the attention functions: each error names the argument, the
-expected and the actual value.  Framework-free, through ``protocol.Ops``."""
+expected and the actual value.  Framework-free, through ``adapter.Ops``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import numbers
 import re
 from typing import Any, Optional
 
+from .adapter import Ops
 from .masks import NO_MASKS, Masks
 from .mods import as_mask_function
-from .protocol import Ops, Shape, Tensor
+from .protocol import Shape, Tensor
 
 
 class InputDtypeError(TypeError, ValueError):

@@ -12,7 +12,8 @@ import pytest
 
 import multiattn
 from multiattn import _registry
-from multiattn.protocol import BACKEND_EXPORTS, LAYER_EXPORTS, Ops
+from multiattn.adapter import Ops
+from multiattn.protocol import BACKEND_EXPORTS, LAYER_EXPORTS
 
 ALL = ["numpy", "torch", "tensorflow", "jax", "mxnet", "paddle", "mlx", "array_api"]
 FRAMEWORK_MODULES = ["torch", "tensorflow", "keras", "jax", "flax", "mxnet", "paddle", "mlx"]

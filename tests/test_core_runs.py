@@ -144,3 +144,39 @@ def test_primitives_only_gives_the_references_answers(bk, kind, dtype):
     )
     assert_close(bk, got_add, want, dtype)
     assert_close(bk, got_add_w, want_w, dtype)
+
+
+@pytest.mark.parametrize("kind", ["none", "attention_mask", "causal"])
+def test_a_small_call_without_lengths_reads_nothing_back_to_the_host(bk, kind, monkeypatch):
+    """B = 2, Q = K = 7, 3-D and 4-D, with and without weights, a mask function too: the row
+    rule is computed in the graph, so no tensor is read back (``Ops.host_values``, and on
+    torch its own ways to the host), which on a device would be a synchronisation."""
+    from multiattn import mods
+
+    reads: list = []
+    real = type(bk.module.ops).host_values
+    monkeypatch.setattr(type(bk.module.ops), "host_values", lambda self, x: reads.append(x) or real(self, x))
+    if bk.name == "torch":
+        import torch
+
+        for name in ("numpy", "tolist", "item", "__bool__", "__float__", "__int__"):
+            real_read = getattr(torch.Tensor, name)
+            record = lambda self, *a, _r=real_read, _n=name: reads.append(_n) or _r(self, *a)  # noqa: E731
+            monkeypatch.setattr(torch.Tensor, name, record)
+    rng = np.random.default_rng(4)
+    m, n = bk.module, 7
+    masks = {"causal": True} if kind == "causal" else {}
+    if kind == "attention_mask":
+        masks["attention_mask"] = bk.tensor(rng.random((2, n, n)) < 0.6)
+    for shape in ((2, n, 4), (2, 3, n, 4)):
+        q, k, v = (bk.tensor(rng.normal(size=shape), "float32") for _ in range(3))
+        m.dot_product_attention(q, k, v, **masks)
+        m.dot_product_attention(q, k, v, return_weights=True, **masks)
+        m.dot_product_attention(q, k, v, mask_mod=mods.sliding_window(3), scale=0.5, **masks)
+    m.masked_softmax(bk.tensor(rng.normal(size=(2, n, n)), "float32"), **masks)
+    weights = _weights(bk, rng, {f"W_{p}": (HIDDENS, 4) for p in "qkvo"})
+    q, k, v = (x[:, 0, ...] for x in (q, k, v))
+    m.multi_head_attention(q, k, v, weights=weights, num_heads=HEADS, **masks)
+    additive = _weights(bk, rng, {"W_q": (HIDDENS, 4), "W_k": (HIDDENS, 4), "w_v": (HIDDENS,)})
+    m.additive_attention(q, k, v, **additive, return_weights=True, **masks)
+    assert reads == [], f"read back to the host: {reads[:3]}"

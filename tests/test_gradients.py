@@ -286,3 +286,44 @@ def test_dot_product_in_blocks_has_its_own_gradient(bk):
 
     needs_autodiff(bk)
     assert type(bk.module.ops).custom_gradient is not Primitives.custom_gradient
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("path", ["materialised", "blocks"])
+def test_rows_whose_visible_scores_are_all_minus_inf_get_zero_gradients(bk, path, dtype, monkeypatch):
+    """A score_mod making every score of query row 1 -inf, lengths [0, 7] hiding the first
+    sequence: the row rule (weights 0) and its gradients, which are those of the reference
+    with row 1 hidden by a mask, finite everywhere (never NaN from -inf scores); eagerly and
+    under the framework's compiler (jax.jit, tf.function, mx.compile), where nothing is read
+    back to the host."""
+    from multiattn import mods
+
+    from .forcing import force_blocks
+    from .test_mods import _jitted
+
+    needs_autodiff(bk)
+    calls = force_blocks(monkeypatch, 2) if path == "blocks" else None
+    inputs, cotangent = _inputs("dot_product")
+    lens = MASKS["1d"]
+    hidden = np.ones((2, 3, 5), bool)
+    hidden[:, 1] = False
+    minus_inf = lambda s, b, h, i, j: mods.where(i == 1, -np.inf, s)  # noqa: E731
+    hidden_row = lambda **x: ref.dot_product_attention(**x, valid_lens=lens, attention_mask=hidden)[0]  # noqa: E731
+    want = central_differences(hidden_row, inputs, cotangent)
+    tensors = [bk.tensor(inputs[n], dtype) for n in ("queries", "keys", "values")]
+
+    def gradients(q, k, v, lens_t, cotangent_t):
+        attend = lambda q, k, v: bk.module.dot_product_attention(q, k, v, lens_t, score_mod=minus_inf)  # noqa: E731
+        return bk.module.vjp(attend, [q, k, v], cotangent_t)
+
+    for run in (gradients, _jitted(bk, gradients)):
+        if run is None:
+            continue
+        out, grads = run(*tensors, bk.tensor(lens), bk.tensor(cotangent, dtype))
+        assert calls is None or calls, "the call did not run in blocks"
+        out = np.asarray(bk.numpy(out), dtype=np.float64)
+        assert (out[:, 1] == 0).all() and np.isfinite(out).all()
+        got = {n: np.asarray(bk.numpy(g), dtype=np.float64) for n, g in zip(inputs, grads)}
+        assert all(np.isfinite(g).all() for g in got.values()), "NaN or inf in the gradients"
+        assert (got["queries"][:, 1] == 0).all()
+        assert_gradients_close(bk, got, want, dtype)

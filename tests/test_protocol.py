@@ -1,4 +1,4 @@
-"""The protocol as a base class: every adapter subclasses protocol.Ops, defines each required
+"""The protocol as a base class: every adapter subclasses adapter.Ops, defines each required
 primitive, and nothing the base does not declare (a misspelled override would be dead code)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from multiattn import protocol
-from multiattn.protocol import Ops, adapter_problems
+from multiattn.adapter import Ops, adapter_problems
 
 
 def test_each_adapter_is_a_complete_ops_subclass(bk):
@@ -32,7 +32,7 @@ def test_the_check_finds_a_misspelled_hook_and_a_missing_primitive(bk):
             return x.shape
 
     assert adapter_problems(Misspelled) == [
-        "Misspelled.attend_fuse is not a member of protocol.Ops (misspelled?)"
+        "Misspelled.attend_fuse is not a member of adapter.Ops (misspelled?)"
     ]
     problems = adapter_problems(Incomplete)
     assert "Incomplete lacks the required primitive softmax" in problems
@@ -84,3 +84,19 @@ def test_measured_faster_measures_once_per_key():
     count = len(calls)
     assert measured_faster(("test", 1), slow, fast, make_input) is True and len(calls) == count  # cached
     assert len(inputs) == 2  # the input is built only to measure
+
+
+def test_the_protocol_imports_no_other_multiattn_module():
+    """The contract a backend author reads depends on nothing of the implementation."""
+    import ast
+
+    tree = ast.parse(open(protocol.__file__, encoding="utf-8").read())
+    imported = [
+        node.module or "." if isinstance(node, ast.ImportFrom) else alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for alias in node.names
+        if isinstance(node, ast.Import) or alias is node.names[0]
+    ]
+    relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+    assert not relative and not [name for name in imported if name.startswith("multiattn")], imported

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from multiattn import core, fast_paths, specialise
+from multiattn.adapter import Ops
 from multiattn.masks import Masks
-from multiattn.protocol import Ops
 
 from . import reference as ref
 from .forcing import force_fused
@@ -98,25 +98,18 @@ def test_entry_points_equal_the_formula(bk, dtype, mask):
     _both(bk, got_w, math_w, want_w, dtype)
 
 
-@pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, exact):
+def test_masked_softmax_in_the_scores_memory(bk, dtype, mask):
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
     ops, masks = bk.module.ops, Masks(lens_t)
-    assert isinstance(
-        ops.masked_softmax_in_scores_memory(t["X"], None, masks, False, exact), str
-    )  # not the caller's
-    offer = ops.masked_softmax_in_scores_memory(copy(bk, t["X"]), None, masks, True, exact)
+    assert isinstance(ops.masked_softmax_in_scores_memory(t["X"], None, masks, False), str)  # the caller's
+    offer = ops.masked_softmax_in_scores_memory(copy(bk, t["X"]), None, masks, True)
     if not _offered(bk, "masked_softmax_in_scores_memory", offer):
         return
     got, _ = offer()
     want = ref.masked_softmax(a["X"], lens)
-    if not exact and mask == "1d":  # rows where nothing is visible may stay uniform (masked_weights)
-        visible = np.array([[ref.valid_count(n, K) for n in row] for row in np.broadcast_to(
-            lens.reshape(B, -1), (B, Q))])  # fmt: skip
-        want = np.where(visible[:, :, None] == 0, 1.0 / K, want)
-    _both(bk, got, formula(core.masked_softmax, ops, t["X"], masks) if exact else got, want, dtype)
+    _both(bk, got, formula(core.masked_softmax, ops, t["X"], masks), want, dtype)
 
 
 @pytest.mark.parametrize("poisoned", [False, True])
@@ -133,7 +126,7 @@ def test_padding_written_directly(bk, dtype, poisoned, monkeypatch):
             values[b, n:] = np.nan
     v = bk.tensor(values, dtype)
     masks = Masks(lens_t)
-    offer = ops.masked_softmax_writing_padding(t["X"], v, masks, False, True)  # the caller's X: a copy
+    offer = ops.masked_softmax_writing_padding(t["X"], v, masks, False)  # the caller's X: a copy
     float64_fill = bk.name == "mxnet" and dtype == "float64"  # its sequence mask fills in float32
     if not _offered(bk, "masked_softmax_writing_padding", offer, may_decline=float64_fill):
         return
@@ -313,7 +306,7 @@ def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatc
             want_sm,
             dtype,
         )
-        offer = ops.masked_softmax_in_scores_memory(copy(bk, X), None, masks, True, True)
+        offer = ops.masked_softmax_in_scores_memory(copy(bk, X), None, masks, True)
         if _offered(bk, "masked_softmax_in_scores_memory", offer):
             assert_close(bk, offer()[0], want_sm, dtype)
 

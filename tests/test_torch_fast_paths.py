@@ -26,8 +26,8 @@ def taken(monkeypatch):
     answers: list = []
     real = m.TorchOps.masked_softmax_writing_padding
 
-    def spy(self, scores, values, masks, owned, exact):
-        offer = real(self, scores, values, masks, owned, exact)
+    def spy(self, scores, values, masks, owned):
+        offer = real(self, scores, values, masks, owned)
         answers.append(not isinstance(offer, str))
         return offer
 
@@ -58,7 +58,7 @@ def _poisoned_padding(poison, seed):
     return q, k, v, lens, want_out, want
 
 
-def _no_finite_visible_score(poison, seed):
+def _no_finite_visible_score(poison, seed, lens=(3, 4)):
     """float64 (q, k, v) tensors and lengths where query 0 of each sequence has no finite
     visible score (poison * negative keys: -inf, or NaN)."""
     import torch
@@ -68,7 +68,7 @@ def _no_finite_visible_score(poison, seed):
     q[:, 1] = 1.0
     k = -np.abs(np.random.default_rng(seed).normal(size=(2, 5, 2))) - 0.5
     v = np.random.default_rng(seed + 1).normal(size=(2, 5, 3))
-    return _tensors("float64", q, k, v) + [torch.tensor([3, 5])]
+    return _tensors("float64", q, k, v) + [torch.tensor(lens)]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64", "float16", "bfloat16"])
@@ -129,6 +129,16 @@ def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkey
         np.testing.assert_array_equal(a, b)  # NaN in the same places, zeros in the same places
     assert np.all(sliced[1][0, 0, 3:] == 0)
     assert np.isnan(sliced[1][0, 0, :3]).all() == np.isnan(poison)
+
+
+def test_a_row_of_minus_inf_without_padding_declines_the_slices(taken):
+    """Sequence 1 shows all 5 keys and its query 0's scores are all -inf: no padding keeps its
+    maximum finite, so the slices decline and the formula gives the row weights 0."""
+    m = _module()
+    out, weights = m.dot_product_attention(*_no_finite_visible_score(np.inf, 13, (3, 5)), return_weights=True)
+    assert taken == [False]
+    assert (weights[:, 0].numpy() == 0).all() and (out[:, 0].numpy() == 0).all()
+    assert np.isfinite(weights.numpy()).all()
 
 
 def test_the_default_threshold_slices_at_benchmark_sizes_only():
@@ -489,8 +499,8 @@ def test_visible_keys_only_where_the_loop_pays_and_nothing_forbids_it():
 def test_the_default_protocol_declines_the_visible_keys_path():
     import torch
 
+    from multiattn.adapter import Ops
     from multiattn.masks import Masks
-    from multiattn.protocol import Ops
 
     m = _module()
     big = torch.zeros(2, 512, 8)

@@ -14,8 +14,8 @@ import numpy as np
 from array_api_compat import array_namespace, device
 
 from .. import mods
+from ..adapter import Ops
 from ..functional import bind
-from ..protocol import Ops
 
 SUPPORTED_DTYPES = ("float32", "float64")
 DTYPE_NOTES = {dtype: "the Array API standard has no " + dtype for dtype in ("float16", "bfloat16")}

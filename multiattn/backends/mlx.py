@@ -92,6 +92,8 @@ class MlxOps(NumpyLikeOps):
         declined = fast_paths.declines_fused(masks, dropout, need_weights)
         if declined:
             return declined
+        if not FUSED_ON_CPU and mx.default_device().type == mx.cpu:
+            return "on the CPU the kernel is no faster than the core's formula"  # RESULTS.md, 2026-12-06
         return functools.partial(
             fast_paths.fused_attention, self, _fused_kernel, queries, keys, values, masks, scale
         )
@@ -117,6 +119,8 @@ def _fused_kernel(queries, keys, values, mask, scale):
         mask=None if mask is None else heads(mask, 1),
     )[:, 0]
 
+
+FUSED_ON_CPU = False  # the tests force it (tests/forcing.py)
 
 ops = MlxOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)

@@ -16,8 +16,9 @@ from mxnet import autograd, np, npx
 
 from .. import fast_paths
 from .._machine import measured_faster
+from ..adapter import Ops
 from ..functional import bind
-from ..protocol import Ops, layer_exports, per_row
+from ..protocol import layer_exports, per_row
 
 npx.set_np()
 
@@ -196,7 +197,7 @@ class MxnetOps(Ops):
     # mxnet's `where` is slow next to its sequence mask (a select, so NaN in the padding stays
     # out): the padding is written by the sequence mask, on views (mxnet.numpy's reshape
     # copies) and into the core's own scores (out=) outside autograd.
-    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+    def masked_softmax_writing_padding(self, scores, values, masks, owned):
         if not masks.only_lengths:
             return "not lengths alone"
         if scores.dtype == onp.float64:  # sequence_mask's fill is float32: float64's lowest does not fit
@@ -207,9 +208,9 @@ class MxnetOps(Ops):
             fill=self._fill_padding, zero_rows=self._zero_padded_rows,
         )  # fmt: skip
 
-    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
+            self, scores, values, masks, owned, where=self.where, softmax=self._softmax_owned
         )
 
     def _fill_padding(self, x, lengths, fill, uniform=False):
@@ -305,6 +306,7 @@ def _view(x, shape):
 def _sequence_mask(x, lengths: onp.ndarray, fill: float, out=None):
     """x with the positions >= lengths (one per row of axis 0) of axis 1 set to fill
     (written into out where given, which may be x itself)."""
+    fill = max(fill, -1e38)  # its value passes through float32 text: float32's lowest comes back -inf
     return npx.sequence_mask(
         x, _device_lengths(lengths), use_sequence_length=True, value=fill, axis=1, out=out
     )

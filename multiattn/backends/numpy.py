@@ -56,16 +56,16 @@ class NumpyOps(NumpyLikeOps):
 
     # -- specialisations --------------------------------------------------------------------
 
-    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+    def masked_softmax_writing_padding(self, scores, values, masks, owned):
         # host data: writing only the padding beats two masked passes at every size measured
         lengths = fast_paths.lengths_per_sequence(masks, np.ndarray.tolist)
         return fast_paths.offer_writing_padding(
             self, scores, values, owned, lengths, copy=np.copy, softmax=self._softmax_owned
         )
 
-    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
+            self, scores, values, masks, owned, where=self.where, softmax=self._softmax_owned
         )
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):

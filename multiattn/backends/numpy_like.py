@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..protocol import Ops, per_row
+from ..adapter import Ops
+from ..protocol import per_row
 
 
 class NumpyLikeOps(Ops):
-    _declares = ("xp", "bool_dtype")  # members beside protocol.Ops' (adapter_problems)
+    _declares = ("xp", "bool_dtype")  # members beside adapter.Ops' (adapter_problems)
     xp: Any = None  # the namespace: numpy, jax.numpy, mlx.core
     bool_dtype: Any = bool
 

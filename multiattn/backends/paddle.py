@@ -32,8 +32,9 @@ import paddle  # noqa: E402
 from paddle import nn  # noqa: E402
 
 from .. import fast_paths  # noqa: E402
+from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import Ops, dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
+from ..protocol import dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
 _NO_HALF = "paddle's CPU build has no float16/bfloat16 kernels for {}"
@@ -218,7 +219,7 @@ class PaddleOps(Ops):
 
     # -- specialisations --------------------------------------------------------------------
 
-    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+    def masked_softmax_writing_padding(self, scores, values, masks, owned):
         # paddle's CPU `where` is slow: a slice per sequence won at every size measured.  Not
         # under autograd (softmax's backward needs its output as it was).
         if not _untracked(scores):
@@ -228,9 +229,9 @@ class PaddleOps(Ops):
             self, scores, values, owned, lengths, copy=paddle.clone, softmax=self._softmax_owned
         )
 
-    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, exact, where=self.where, softmax=self._softmax_owned
+            self, scores, values, masks, owned, where=self.where, softmax=self._softmax_owned
         )
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):

@@ -38,8 +38,9 @@ if (
     )
 
 from .. import mods  # noqa: E402
+from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import Ops, layer_exports, per_row  # noqa: E402
+from ..protocol import layer_exports, per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}

@@ -12,8 +12,9 @@ from torch.nn import functional as F
 
 from .. import blockwise, fast_paths, mods
 from .._machine import l2_cache_bytes, measured_faster
+from ..adapter import Ops
 from ..functional import bind
-from ..protocol import Ops, dtype_kind_by_dtype, layer_exports
+from ..protocol import dtype_kind_by_dtype, layer_exports
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
@@ -273,7 +274,7 @@ class TorchOps(Ops):
             return "too few scores for SDPA's fixed cost"
         return functools.partial(fast_paths.fused_attention, self, _sdpa, queries, keys, values, masks, scale)
 
-    def masked_softmax_writing_padding(self, scores, values, masks, owned, exact):
+    def masked_softmax_writing_padding(self, scores, values, masks, owned):
         # on CPU the lengths are free to read, and a slice per sequence beats a masked pass
         if not masks.one_length_per_sequence:
             return "not one length per sequence"
@@ -284,9 +285,9 @@ class TorchOps(Ops):
             self, scores, values, owned, lengths, copy=torch.clone, softmax=self._softmax_owned
         )
 
-    def masked_softmax_in_scores_memory(self, scores, values, masks, owned, exact):
+    def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, exact, where=self._where_owned, softmax=self._softmax_owned
+            self, scores, values, masks, owned, where=self._where_owned, softmax=self._softmax_owned
         )
 
     def _attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):

@@ -20,8 +20,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 import numpy as np
 
 from .. import core, validation
+from ..adapter import Ops
 from ..block_mask import unpacked
-from ..protocol import Ops, Tensor
+from ..protocol import Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
 CanonicalWeights = Dict[str, np.ndarray]

@@ -1,0 +1,67 @@
+"""How a call without weights runs where its scores would not fit the budget (or blocks are
+asked for): a framework's kernel that never holds the scores whole (``specialise``), one loop
+a compiler sees over the block map (``block_loop``), or the host's plan of blocks
+(``blockwise``).  None where the scores fit: the core's formula holds them whole."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+from . import block_loop, blockwise, heads, mods, specialise
+from .masks import Masks
+
+Tensor = Any
+Ops = Any  # an adapter (``adapter.Ops``)
+
+
+def dot_product_in_blocks(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float,
+    block_size: Optional[int], need_lse: bool, score_mod: Optional[Callable[..., Tensor]],
+) -> Optional[tuple]:  # fmt: skip
+    """(output, lse (B, [H,] Q) or None) of ``core.dot_product_attention`` without the scores
+    whole, in blocks of block_size (None: where the scores would exceed the budget), else None."""
+    forced = block_size is not None
+    block_size = block_size or blockwise.automatic_block_size(
+        ops, queries, keys, mask_mod=masks.mask_mod, masks=masks
+    )
+    if block_size is None:
+        return None
+    masks = masks.without_idle_lengths(ops, ops.shape(keys)[-2])
+    if score_mod is not None:  # the framework differentiates the blocks (and score_mod) itself
+        score = functools.partial(_modified_scores, ops, score_mod, scale)
+        out, lse = blockwise.attention_in_blocks(
+            ops, queries, keys, values, masks, block_size=block_size, score=score
+        )
+        return out, lse[..., 0]
+    if not (forced or need_lse):  # grouped heads and a mask function's too, where an offer takes them
+        done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
+        if done is not None:
+            return done[0], None
+    loop = block_loop if block_loop.usable(ops, queries, masks) else blockwise  # traced: one loop
+    if loop is block_loop and not forced:
+        block_size = min(block_size, block_loop.MAX_BLOCK)
+    return loop.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+
+
+def additive_in_blocks(
+    ops: Ops, q_hidden: Tensor, k_hidden: Tensor, values: Tensor, masks: Masks,
+    score: Callable[..., Tensor], block_size: Optional[int],
+) -> Optional[Tensor]:  # fmt: skip
+    """The output of ``core.additive_attention`` with its features and scores made in blocks
+    (score(q, k, block)), of block_size or where they would exceed the budget, else None."""
+    per_score = ops.shape(q_hidden)[-1] or 1  # the features of a block are its scores x hiddens
+    block_size = block_size or blockwise.automatic_block_size(
+        ops, q_hidden, k_hidden, per_score, mask_mod=masks.mask_mod
+    )
+    if block_size is None:
+        return None
+    return blockwise.attention_in_blocks(
+        ops, q_hidden, k_hidden, values, masks, block_size=block_size, score=score
+    )[0]
+
+
+def _modified_scores(ops: Ops, score_mod: Callable[..., Tensor], scale: float, q, k, block) -> Tensor:
+    """A block's scaled dot-product scores, then score_mod on them."""
+    scores = heads.scaled_matmul_t(ops, q, k, scale)
+    return mods.apply_score_mod(ops, score_mod, scores, block, ops.shape(q)[0])
