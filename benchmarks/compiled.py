@@ -3,9 +3,11 @@ second call, and the peak RSS growth of the process over both, each case in a fr
 
     python benchmarks/compiled.py                          # jax and tensorflow, N = 4096 and 32768
     python benchmarks/compiled.py --backends jax --sizes 4096,32768 --modes forward,grad
+    python benchmarks/compiled.py --backends torch            # torch.compile
+    python benchmarks/compiled.py --backends mlx --sizes 2048,8192   # mx.compile
 
 q, k, v (1, N, 64) float32, causal, no weights; forward: the call under ``jax.jit`` /
-``tf.function``; grad: the gradient of its output's sum with respect to q, k and v, under the
+``tf.function`` / ``torch.compile`` / ``mx.compile``; grad: the gradient of its output's sum with respect to q, k and v, under the
 same compiler.  The gradient is checked against the eager call's (printed as the largest
 difference) at the smallest size.
 """
@@ -49,6 +51,37 @@ def worker(backend: str, n: int, mode: str) -> dict:
 
         def call():
             return jax.block_until_ready(fn(*args))
+
+    elif backend == "torch":
+        import torch
+
+        from multiattn.backends import torch as m
+
+        compiled = torch.compile(lambda q, k, v: m.dot_product_attention(q, k, v, causal=True))
+        args = tuple(torch.from_numpy(x).requires_grad_(mode == "grad") for x in (q, k, v))
+
+        def call():  # the backward of a compiled forward is compiled too (AOTAutograd)
+            out = compiled(*args)
+            if mode == "forward":
+                return out
+            return torch.autograd.grad(out.sum(), args)
+
+    elif backend == "mlx":
+        import mlx.core as mx
+
+        from multiattn.backends import mlx as m
+
+        def forward(q, k, v):
+            return m.dot_product_attention(q, k, v, causal=True)
+
+        grad = mx.grad(lambda *a: forward(*a).sum(), argnums=(0, 1, 2))
+        fn = mx.compile(forward if mode == "forward" else grad)
+        args = tuple(mx.array(x) for x in (q, k, v))
+
+        def call():
+            out = fn(*args)
+            mx.eval(out)
+            return out
 
     else:
         import tensorflow as tf

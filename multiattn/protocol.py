@@ -242,6 +242,12 @@ class Primitives:
         """TypeError unless every non-None argument is a tensor of this backend; by name
         (``adapter.Ops`` asks the registry)."""
 
+    def unrolls_loops(self, x: Tensor) -> bool:
+        """Whether x is traced by a compiler that unrolls a Python loop (torch.compile,
+        mx.compile): the host's plan of blocks then keeps a fixed number of query blocks, so
+        that compiling takes as long at every length.  The default: False."""
+        return False
+
     def host_values(self, x: Tensor) -> Any:
         """x's values as a numpy array where they can be read now and cheaply (eager, on the
         host), else None (traced, lazy, or on a device): the block plan reads lengths and

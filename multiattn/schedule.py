@@ -41,7 +41,14 @@ def dot_product_in_blocks(
     loop = block_loop if block_loop.usable(ops, queries, masks) else blockwise  # traced: one loop
     if loop is block_loop and not forced:
         block_size = min(block_size, block_loop.MAX_BLOCK)
+    elif not forced and ops.unrolls_loops(queries):  # the same program at every length
+        block_size = max(block_size, -(-ops.shape(queries)[-2] // UNROLLED_QUERY_BLOCKS))
     return loop.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+
+
+# where a compiler unrolls the host's plan, the query blocks it sees: compiling then takes as
+# long at N = 8192 as at 2048 (benchmarks/RESULTS.md, 2026-12-06), each block's scores growing
+UNROLLED_QUERY_BLOCKS = 8
 
 
 def additive_in_blocks(

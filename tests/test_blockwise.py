@@ -391,3 +391,60 @@ def test_float_lengths_in_blocks_compare_as_the_reference(bk):
         *(bk.tensor(x, "float32") for x in (q, k, v)), bk.tensor(lens, "float32"), block_size=2
     )
     assert_close(bk, out, ref.dot_product_attention(q, k, v, lens)[0], "float32")
+
+
+@pytest.mark.backend("mlx")
+def test_under_mx_compile_which_unrolls_the_plan_the_query_blocks_are_as_many_at_every_n(monkeypatch):
+    """mx.compile unrolls the host's plan: its blocks are N / 8 a side at every N, so that the
+    program (and its compile time) does not grow with N; the output and the gradients are the
+    reference's, causal with lengths."""
+    from multiattn import schedule
+
+    from .harness import harness
+
+    bk = harness("mlx")
+    sides: list = []
+    real = blockwise.attention
+    spy = lambda *a, **kw: sides.append(kw["block_size"]) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(blockwise, "attention", spy)
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 16 * 16 * 4)
+    monkeypatch.setattr(blockwise, "block_size_for", lambda *a, **kw: 2)  # eagerly: blocks of 2
+    for n in (32, 96):
+        _compiled_causal_case(bk, n, np.random.default_rng(n), gradients=n == 32)
+        assert sides[-2 if n == 32 else -1 :] == [n // schedule.UNROLLED_QUERY_BLOCKS] * (2 if n == 32 else 1)
+
+
+def _compiled_causal_case(bk, n, rng, gradients):
+    import mlx.core as mx
+
+    from .test_gradients import assert_gradients_close, central_differences
+
+    q, k, v, cotangent = (rng.normal(size=(1, n, 4)) for _ in range(4))
+    lens = np.array([n - 5])
+    tensors = [bk.tensor(x, "float32") for x in (q, k, v)]
+
+    def attend(q, k, v):
+        return bk.module.dot_product_attention(q, k, v, bk.tensor(lens), causal=True)
+
+    assert_close(
+        bk, mx.compile(attend)(*tensors), ref.dot_product_attention(q, k, v, lens, causal=True)[0], "float32"
+    )
+    if gradients:
+        loss = lambda q, k, v: (attend(q, k, v) * bk.tensor(cotangent, "float32")).sum()  # noqa: E731
+        grads = mx.compile(mx.grad(loss, argnums=(0, 1, 2)))(*tensors)
+
+        def fn(queries, keys, values):
+            return ref.dot_product_attention(queries, keys, values, lens, causal=True)[0]
+
+        want = central_differences(fn, dict(queries=q, keys=k, values=v), cotangent)
+        got = {name: np.array(g, dtype=np.float64) for name, g in zip(want, grads)}
+        assert_gradients_close(bk, got, want, "float32")
+
+
+@pytest.mark.backend("torch")
+def test_torch_compile_is_known_to_unroll_the_plan():
+    import torch
+
+    ops = multiattn.get_backend("torch").ops
+    compiled = torch.compile(lambda x: x + 1 if ops.unrolls_loops(x) else x - 1)
+    assert compiled(torch.zeros(2)).tolist() == [1, 1] and not ops.unrolls_loops(torch.zeros(2))

@@ -78,6 +78,13 @@ class MlxOps(NumpyLikeOps):
         except ValueError:  # mx.compile and mx.vmap refuse the eval: values unknown there
             return None
 
+    def unrolls_loops(self, x):
+        try:  # one element: evaluated already, or cheap to
+            mx.eval(x[(0,) * x.ndim])
+            return False
+        except ValueError:  # mx.compile and mx.vmap refuse the eval
+            return True
+
     def settle(self, x):
         if getattr(_lazy, "depth", 0):  # inside a custom vjp an array evaluated is held to its end
             return

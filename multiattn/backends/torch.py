@@ -204,6 +204,9 @@ class TorchOps(Ops):
             return forward(*tensors, *constants)
         return _CustomGradient.apply(forward, backward, len(tensors), *tensors, *constants)
 
+    def unrolls_loops(self, x):
+        return torch.compiler.is_compiling()
+
     def host_values(self, x):
         if x.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(x):
             return None
