@@ -442,6 +442,43 @@ def _compiled_causal_case(bk, n, rng, gradients):
 
 
 @pytest.mark.backend("torch")
+def test_under_torch_compile_which_unrolls_the_plan_the_query_blocks_are_as_many_at_every_n(monkeypatch):
+    """As under mx.compile: torch.compile (AOTAutograd, its backward too) of a causal call with
+    lengths in blocks of N / 8, output and gradients against the reference."""
+    import torch
+
+    from multiattn import schedule
+
+    from .harness import harness
+    from .test_gradients import assert_gradients_close, central_differences
+
+    sides: list = []
+    real = blockwise.attention
+    spy = lambda *a, **kw: sides.append(kw["block_size"]) or real(*a, **kw)  # noqa: E731
+    monkeypatch.setattr(blockwise, "attention", spy)
+    monkeypatch.setattr(blockwise, "SCORES_BUDGET_BYTES", 16 * 16 * 8)
+    monkeypatch.setattr(blockwise, "block_size_for", lambda *a, **kw: 2)
+    m, n, rng = multiattn.get_backend("torch"), 32, np.random.default_rng(7)
+    q, k, v, cotangent = (rng.normal(size=(1, n, 4)) for _ in range(4))
+    lens = np.array([n - 5])
+    compiled = torch.compile(
+        lambda q, k, v: m.dot_product_attention(q, k, v, torch.tensor(lens), causal=True), backend="aot_eager"
+    )
+    tensors = [torch.tensor(x, requires_grad=True) for x in (q, k, v)]
+    out = compiled(*tensors)
+    grads = torch.autograd.grad((out * torch.tensor(cotangent)).sum(), tensors)
+    assert sides and set(sides) == {n // schedule.UNROLLED_QUERY_BLOCKS}
+
+    def fn(queries, keys, values):
+        return ref.dot_product_attention(queries, keys, values, lens, causal=True)[0]
+
+    np.testing.assert_allclose(out.detach().numpy(), fn(q, k, v), rtol=1e-10, atol=1e-12)
+    want = central_differences(fn, dict(queries=q, keys=k, values=v), cotangent)
+    got = {name: g.numpy() for name, g in zip(want, grads)}
+    assert_gradients_close(harness("torch"), got, want, "float64")
+
+
+@pytest.mark.backend("torch")
 def test_torch_compile_is_known_to_unroll_the_plan():
     import torch
 
