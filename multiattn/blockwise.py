@@ -604,7 +604,7 @@ def _partial_fused(ops, score, q, k, v, bias, column, row_bias, *state):  # ``Pl
 
 def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 0, not 0 * NaN
     v = visible_values(ops, v, seen) if mask_values else v
-    return _online(ops, _masked(ops, score(q, k), seen), v, state or None)
+    return _online(ops, score(q, k), v, state or None, seen)
 
 
 def known_finite(ops: Ops, x: Tensor) -> bool:
@@ -625,7 +625,7 @@ def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, 
     for r0, r1, width in ((0, half, half), (half, side, side)):
         s = score_at(r0, r1, 0, width)(rows(q, r0, r1), rows(k, 0, width))
         part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(_online(ops, _masked(ops, s, seen[r0:r1, :width]), rows(v, 0, width), part))
+        found.append(_online(ops, s, rows(v, 0, width), part, seen[r0:r1, :width]))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
@@ -640,7 +640,7 @@ def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen
         part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
         part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
         part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(_online(ops, _masked(ops, s, part_seen), part_v, part))
+        found.append(_online(ops, s, part_v, part, part_seen))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
@@ -655,23 +655,31 @@ def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
     return score
 
 
-def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None) -> tuple:
+def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None, seen: Tensor = None) -> tuple:
     """One key block into the running (m, l, O) (l: ``total``): m' = max(m, rowmax S),
-    P = exp(S - m'), l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V."""
+    P = exp(S - m'), l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V; seen: a partial
+    block's mask (its hidden scores -inf, their P 0)."""
+    s = s if seen is None else _masked(ops, s, seen)
     if state is None:
         m_new = ops.max(s, -1)
-        p = ops.exp(s - _finite(ops, m_new))
+        p = _exp(ops, s - _finite(ops, m_new), seen)
         return m_new, ops.sum(p, -1), heads.matmul(ops, p, v)
     m, total, o = state
     m_new = ops.maximum(m, ops.max(s, -1))
     top = _finite(ops, m_new)
-    p, rescale = ops.exp(s - top), ops.exp(_finite(ops, m) - top)
+    p, rescale = _exp(ops, s - top, seen), ops.exp(_finite(ops, m) - top)
     return m_new, rescale * total + ops.sum(p, -1), rescale * o + heads.matmul(ops, p, v)
 
 
 def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
     """A partial block's scores with the hidden ones -inf."""
     return ops.where(seen, s, NEG_INF)
+
+
+def _exp(ops: Ops, x: Tensor, seen: Optional[Tensor]) -> Tensor:
+    """exp(x), exactly 0 where seen is False: paddle's vectorised exp gives exp(-inf) as a
+    denormal, and a product with denormals runs 100x slower (benchmarks/RESULTS.md, 2026-12-06)."""
+    return ops.exp(x) if seen is None else ops.where(seen, ops.exp(x), 0.0)
 
 
 def _merged(ops: Ops, w: Tensor, lse: Tensor, v: Tensor, state: tuple = None) -> tuple:
@@ -759,7 +767,7 @@ def attention_in_blocks_backward(
             if kind == PARTIAL:
                 seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
                 s, v_seen = _masked(ops, s, seen), plan.visible_values(parts, v_block, seen, q1, k1)
-            p = ops.exp(s - lse_block)
+            p = _exp(ops, s - lse_block, seen if kind == PARTIAL else None)
             ds = p * (heads.matmul_t(ops, do_block, v_seen) - dot_block)
             dv_part = heads.summed_tn(ops, p, do_block, kv_heads)
             dk_part = heads.summed_tn(ops, ds, q_block, kv_heads)
