@@ -678,7 +678,7 @@ def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
 
 def _exp(ops: Ops, x: Tensor, seen: Optional[Tensor]) -> Tensor:
     """exp(x), exactly 0 where seen is False: paddle's vectorised exp gives exp(-inf) as a
-    denormal, and a product with denormals runs 100x slower (benchmarks/RESULTS.md, 2026-12-06)."""
+    denormal, and a product with denormals runs far slower (benchmarks/RESULTS.md, 2026-12-06)."""
     return ops.exp(x) if seen is None else ops.where(seen, ops.exp(x), 0.0)
 
 

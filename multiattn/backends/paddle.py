@@ -147,7 +147,7 @@ class PaddleOps(Ops):
         return positions < per_row(lens.astype(common))
 
     def causal_mask(self, n_queries, n_keys, like):
-        # kept: paddle's broadcast comparison takes 1.4 ms for 512 x 512, a third of a diagonal block
+        # kept: paddle's broadcast comparison costs a diagonal block much of its time (RESULTS.md)
         if not paddle.in_dynamic_mode():  # a static graph's (paddle.jit.to_static) is its own
             return paddle.arange(n_keys)[None, :] <= paddle.arange(n_queries)[:, None]
         key = (n_queries, n_keys, str(like.place))
