@@ -13,12 +13,15 @@ median over the rounds and its range.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import rounds  # noqa: E402
+import run  # noqa: E402
 
 RATIOS = (
     ("window+causal", "window"),
@@ -35,9 +38,6 @@ def cases(backend: str, n: int) -> dict:
 
     import multiattn
     from multiattn import mods
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import run
 
     module = multiattn.get_backend(backend)
     rng = np.random.default_rng(0)
@@ -78,11 +78,7 @@ def main(argv=None) -> int:
             fn()
             times[name].append(time.perf_counter() - start)
     print(f"{args.backend}, N = {args.n}, {args.rounds} rounds")
-    for name, found in times.items():
-        print(f"  {name:20} median {statistics.median(found) * 1e3:9.1f} ms")
-    for a, b in RATIOS:
-        found = [x / y for x, y in zip(times[a], times[b])]
-        print(f"  {a} / {b}: median {statistics.median(found):.3f} (range {min(found):.3f}-{max(found):.3f})")
+    rounds.report(times, RATIOS)
     return 0
 
 

@@ -64,12 +64,17 @@ def main(argv=None) -> int:
     print(
         f"{args.backend} {run._version(args.backend)}, N = {args.n}, blocks of {block}, {args.rounds} rounds"
     )
-    for key in keys:
-        print(f"  {key:20} median {statistics.median(times[key]) * 1e3:9.1f} ms")
+    report(times, ratios)
+    return 0
+
+
+def report(times: dict, ratios) -> None:
+    """Each case's median time, then per ratio A / B its median over the rounds and its range."""
+    for key, found in times.items():
+        print(f"  {key:20} median {statistics.median(found) * 1e3:9.1f} ms")
     for a, b in ratios:
         found = [x / y for x, y in zip(times[a], times[b])]
         print(f"  {a} / {b}: median {statistics.median(found):.3f} (range {min(found):.3f}-{max(found):.3f})")
-    return 0
 
 
 if __name__ == "__main__":
