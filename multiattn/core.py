@@ -41,17 +41,19 @@ def dot_product_attention(
     """softmax(Q K^T * scale) V, masked, scale 1 / sqrt(d) by default, score_mod on the scaled
     scores: (output, weights or None where need_weights is False[, lse (B, [H,] Q), the log
     of the sum of exp of each row's visible scores, -inf where none is, with need_lse])."""
-    if nothing_to_attend(ops, queries, keys):
+    q_shape, k_shape = ops.shape(queries), ops.shape(keys)
+    if 0 in q_shape[:-1] or k_shape[-2] == 0:
         out, weights = no_attention(ops, queries, keys, values)
         return (out, weights, blockwise.no_lse(ops, out)) if need_lse else (out, weights)
-    scale = 1.0 / math.sqrt(ops.shape(queries)[-1]) if scale is None else scale
+    scale = 1.0 / math.sqrt(q_shape[-1]) if scale is None else scale
     if not need_weights and dropout is None:
         done = schedule.dot_product_in_blocks(
             ops, queries, keys, values, masks, scale, block_size, need_lse, score_mod
         )
         if done is not None:
             return (done[0], None, done[1]) if need_lse else (done[0], None)
-    masks = masks.with_mask_mod_evaluated(ops, queries, _scores_shape(ops, queries, keys))
+    if masks.mask_mod is not None:
+        masks = masks.with_mask_mod_evaluated(ops, queries, tuple(q_shape[:-1]) + (k_shape[-2],))
     if not (need_lse or score_mod is not None or heads.groups(ops, queries, keys) > 1):
         args = (queries, keys, values, masks, scale, dropout, need_weights)
         done = specialise.run(ops, "dot_product_attend", *args)
@@ -158,18 +160,18 @@ def masked_weights(ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Ma
     done = specialise.run(ops, "masked_softmax", scores, values, masks, owned)
     if done is not None:
         return done
-    return softmax_where(ops, scores, values, masks, where=ops.where, softmax=ops.softmax)
+    return softmax_where(ops, scores, values, masks, where=ops.where, safe_softmax=ops.safe_softmax)
 
 
-def softmax_where(ops: Ops, X: Tensor, values: Optional[Tensor], masks: Masks, *, where, softmax) -> tuple:
-    """``masked_weights`` by its formula, with the ``where`` and ``softmax`` given (the
-    primitives, or an adapter's passes that write into scores the core owns).  A score of
-    -inf hides its key (the row rule); hidden scores are the dtype's lowest finite value (d2l:
-    -1e6), so a row with nothing visible stays free of NaN, and its weights are then set to 0."""
+def softmax_where(
+    ops: Ops, X: Tensor, values: Optional[Tensor], masks: Masks, *, where, safe_softmax
+) -> tuple:  # noqa: E501
+    """``masked_weights`` by its formula, with the ``where`` and ``safe_softmax`` given (the
+    primitives, or an adapter's passes that write into scores the core owns).  The row rule:
+    a hidden key's score becomes -inf, and a score of -inf gets weight 0, so a row with nothing
+    visible gets weights 0 (``Primitives.safe_softmax``), free of NaN."""
     mask = visibility(ops, masks, X)
-    shown = X != -math.inf
-    shown = shown if mask is None else ops.logical_and(mask, shown)
-    weights = where(shown, softmax(where(shown, X, ops.lowest(X))), 0.0)
+    weights = safe_softmax(X if mask is None else where(mask, X, -math.inf))
     return weights, values if values is None or mask is None else visible_values(ops, values, mask)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, List, NamedTuple, Optional
 
 from . import blockwise, core
 from .masks import Masks
+from .protocol import softmax_hiding_minus_inf
 
 Tensor = Any
 Ops = Any
@@ -176,13 +177,19 @@ def offer_in_scores_memory(
     owned: bool,
     *,
     where: Callable[[Tensor, Tensor, float], Tensor],
-    softmax: Callable[[Tensor], Tensor],
+    softmax: Optional[Callable[[Tensor], Tensor]] = None,
+    safe_softmax: Optional[Callable[[Tensor], Tensor]] = None,
 ) -> Any:
     """The offer of ``core.softmax_where`` with the adapter's passes that write into the
-    scores (and the weights), which the core owns."""
+    scores (and the weights), which the core owns: its ``safe_softmax``, or the formula
+    (``protocol.softmax_hiding_minus_inf``) over its ``where`` and ``softmax``."""
     if not owned:
         return "the caller's scores are never written"
-    return functools.partial(core.softmax_where, ops, scores, values, masks, where=where, softmax=softmax)
+    if safe_softmax is None:
+        safe_softmax = functools.partial(softmax_hiding_minus_inf, ops, where=where, softmax=softmax)
+    return functools.partial(
+        core.softmax_where, ops, scores, values, masks, where=where, safe_softmax=safe_softmax
+    )
 
 
 # -- a fused kernel ----------------------------------------------------------------------------

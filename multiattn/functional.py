@@ -104,9 +104,9 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 return_weights,
             )  # fmt: skip
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
-        score_mod, masks = validation.with_mods(
-            score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
-        )
+        if score_mod is not None or mask_mod is not None:
+            sizes = validation.mod_sizes(ops, queries, keys)
+            score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
         masks = masks.with_block_mask(block_mask)
         block_size = validation.check_block_size(block_size, return_weights)
         validation.check_flag("return_lse", return_lse)

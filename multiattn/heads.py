@@ -19,8 +19,11 @@ Ops = Any  # adapter.Ops
 
 def groups(ops: Ops, a: Tensor, b: Tensor) -> int:
     """How many of a's heads share one of b's: a (B, H, ., .) against b (B, H_kv, ., .)."""
-    a_shape, b_shape = ops.shape(a), ops.shape(b)
-    if len(a_shape) != 4 or len(b_shape) != 4 or not a_shape[1] > b_shape[1] > 0:
+    a_shape = ops.shape(a)
+    if len(a_shape) != 4:
+        return 1
+    b_shape = ops.shape(b)
+    if len(b_shape) != 4 or not a_shape[1] > b_shape[1] > 0:
         return 1
     return a_shape[1] // b_shape[1]
 

@@ -88,6 +88,9 @@ def visibility(
     all of them (AND); None where every key is visible."""
     if masks.none:
         return None
+    if masks.only_lengths and scores is not None:  # the common case in fewer steps
+        mask = ops.length_mask(scores, masks.valid_lens)  # (B, 1|Q, K), shared by the heads
+        return mask if len(ops.shape(scores)) == 3 else ops.expand_dims(mask, 1)
     if scores is not None:
         like, rank, (n_queries, n_keys), key_axis = scores, len(ops.shape(scores)), ops.shape(scores)[-2:], -1
     else:

@@ -13,6 +13,7 @@ Tensors are used through these methods, plus what every array library has:
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 Tensor = Any
@@ -179,6 +180,11 @@ class Primitives:
 
     # -- primitives with a default ------------------------------------------------------
 
+    def safe_softmax(self, x: Tensor) -> Tensor:
+        """``softmax`` with the row rule: a score of -inf gets weight exactly 0, and a row whose
+        scores are all -inf gets weights 0 (not NaN); NaN stays NaN."""
+        return softmax_hiding_minus_inf(self, x, self.where, self.softmax)
+
     def split_rows(self, x: Tensor, sizes: Sequence[int]) -> List[Tensor]:
         """x split along axis -2 into consecutive parts of these sizes (the blocks of
         ``blockwise``); the default slices each."""
@@ -318,6 +324,14 @@ def dtype_kind_by_dtype(kind_of: Callable[[Any], str]) -> Callable[[Primitives, 
         return kind
 
     return dtype_kind
+
+
+def softmax_hiding_minus_inf(ops: Primitives, x: Tensor, where: Callable, softmax: Callable) -> Tensor:
+    """``Primitives.safe_softmax`` by the formula, with the ``where`` and ``softmax`` given (an
+    adapter's may write into x): the -inf scores are the dtype's lowest for the softmax, whose
+    weights there are then set to 0."""
+    shown = x != -math.inf
+    return where(shown, softmax(where(shown, x, ops.lowest(x))), 0.0)
 
 
 def per_row(lens: Tensor) -> Tensor:

@@ -131,8 +131,8 @@ def check_attention_inputs(
         and q_shape[0] == k_shape[0] == v_shape[0] is not None
         and k_shape[1] == v_shape[1] is not None
         and (q_shape[2] == k_shape[2] != 0 if same_width else query_size is key_size is value_size is None)
-        and ops.dtype_kind(queries) == ops.dtype_kind(keys) == ops.dtype_kind(values) == "f"
         and queries.dtype == keys.dtype == values.dtype
+        and ops.dtype_kind(queries) == "f"
     ):
         if valid_lens is not None:
             check_valid_lens(ops, valid_lens, q_shape[0], q_shape[1])

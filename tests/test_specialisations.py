@@ -100,8 +100,14 @@ def test_entry_points_equal_the_formula(bk, dtype, mask):
 
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_masked_softmax_in_the_scores_memory(bk, dtype, mask):
+def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, monkeypatch):
+    if hasattr(bk.module, "SMALL_ELEMENTS"):  # torch: in the scores' memory at every size
+        monkeypatch.setattr(bk.module, "SMALL_ELEMENTS", 0)
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
+    if bk.name != "mxnet" or dtype != "float32":  # a NaN row: NaN where visible, 0 where hidden
+        a["X"] = a["X"].copy()
+        a["X"][0, 0, 0] = np.nan
+        t["X"] = bk.tensor(a["X"], dtype)
     ops, masks = bk.module.ops, Masks(lens_t)
     assert isinstance(ops.masked_softmax_in_scores_memory(t["X"], None, masks, False), str)  # the caller's
     offer = ops.masked_softmax_in_scores_memory(copy(bk, t["X"]), None, masks, True)
@@ -277,6 +283,8 @@ def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatc
     has one) and the entry points, with boolean masks and causality, against the core's
     formula and the reference."""
     force_fused(bk, monkeypatch)
+    if hasattr(bk.module, "SMALL_ELEMENTS"):  # torch: in the scores' memory at every size
+        monkeypatch.setattr(bk.module, "SMALL_ELEMENTS", 0)
     ops = bk.module.ops
     rng = np.random.default_rng(6)
     lead = (B, 2) if heads else (B,)

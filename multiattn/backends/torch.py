@@ -95,14 +95,19 @@ class TorchOps(Ops):
             return torch.softmax(x, dim=-1, dtype=torch.float32).to(x.dtype)
         return torch.softmax(x, dim=-1)
 
+    def safe_softmax(self, x):
+        # the formula, -inf a cached tensor: torch wraps a Python float anew on every call
+        shown = x != _constant(-math.inf, x)
+        weights = self.softmax(torch.where(shown, x, _constant(_LOWEST[x.dtype], x)))
+        return torch.where(shown, weights, _constant(0.0, x))
+
     def _softmax_owned(self, x):
         # The weights take the scores' memory: no new (B, Q, K) tensor to page in.  CPU only
         # (its kernel reads each element before writing it; a test checks), not where
         # autograd needs x (out= has no backward), in half types (float32 math), or under a
         # compiler (which plans its own buffers).
         if (
-            x.numel() < SMALL_ELEMENTS  # first: the cheapest test, and the toy sizes' answer
-            or not x.is_cpu
+            not x.is_cpu
             or x.dtype in _HALF
             or (x.requires_grad and torch.is_grad_enabled())
             or torch.compiler.is_compiling()
@@ -113,16 +118,10 @@ class TorchOps(Ops):
         except RuntimeError:  # torch.func.vmap has no batching rule for out=
             return self.softmax(x)
 
-    def _where_owned(self, mask, x, fill):
-        # in place unless autograd tracks x (out= has no backward) or a compiler plans the buffers
-        if (x.requires_grad and torch.is_grad_enabled()) or torch.compiler.is_compiling():
-            return torch.where(mask, x, _constant(fill, x))
-        if x.numel() >= SMALL_ELEMENTS:
-            return x.masked_fill_(~mask, fill)  # much faster than torch.where(..., out=x) when large
-        try:
-            return torch.where(mask, x, _constant(fill, x), out=x)  # small: cheaper than ~mask and a fill
-        except RuntimeError:  # torch.func.vmap has no batching rule for out=
-            return torch.where(mask, x, _constant(fill, x))
+    def _safe_softmax_owned(self, x):
+        # a row of -inf gives NaN, then 0 where -inf was: fewer passes than the formula
+        hidden = x == _constant(-math.inf, x)
+        return self._softmax_owned(x).masked_fill_(hidden, 0.0)
 
     def length_mask(self, x, lens, axis=-1):
         if x.is_cpu:  # is_cpu first: reading .device builds a torch.device, costly at toy sizes
@@ -289,8 +288,14 @@ class TorchOps(Ops):
         )
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
+        if scores.numel() < SMALL_ELEMENTS:
+            return "small: the primitives' where and safe softmax cost less"
+        if not scores.is_cpu or (scores.requires_grad and torch.is_grad_enabled()) or _transformed(scores):
+            return "off the CPU, recorded by autograd or transformed (no out=)"
+        if torch.compiler.is_compiling():
+            return "the compiler plans its own buffers"
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, where=self._where_owned, softmax=self._softmax_owned
+            self, scores, values, masks, owned, where=_masked_fill, safe_softmax=self._safe_softmax_owned
         )
 
     def _attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
@@ -481,8 +486,15 @@ def _lengths_on_host(lens: torch.Tensor, *tensors: torch.Tensor) -> Optional[lis
         return None
 
 
-# Below this size one torch.where is cheaper than inverting the mask and filling in place.
+# Below this size the primitives' where and safe softmax cost less than filling in place.
 SMALL_ELEMENTS = 1 << 14
+
+
+def _masked_fill(mask: torch.Tensor, x: torch.Tensor, fill: float) -> torch.Tensor:
+    """``Ops.where`` written into x."""
+    return x.masked_fill_(~mask, fill)
+
+
 _CONSTANTS: dict = {}
 
 
