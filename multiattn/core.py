@@ -163,13 +163,10 @@ def masked_weights(ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Ma
     return softmax_where(ops, scores, values, masks, where=ops.where, safe_softmax=ops.safe_softmax)
 
 
-def softmax_where(
-    ops: Ops, X: Tensor, values: Optional[Tensor], masks: Masks, *, where, safe_softmax
-) -> tuple:  # noqa: E501
+def softmax_where(ops: Ops, X: Tensor, values: Optional[Tensor], masks: Masks, *, where, safe_softmax):
     """``masked_weights`` by its formula, with the ``where`` and ``safe_softmax`` given (the
-    primitives, or an adapter's passes that write into scores the core owns).  The row rule:
-    a hidden key's score becomes -inf, and a score of -inf gets weight 0, so a row with nothing
-    visible gets weights 0 (``Primitives.safe_softmax``), free of NaN."""
+    primitives, or an adapter's passes that write into scores the core owns).  The row rule: a
+    hidden key's score becomes -inf, whose weight is 0, so a row with nothing visible gets 0."""
     mask = visibility(ops, masks, X)
     weights = safe_softmax(X if mask is None else where(mask, X, -math.inf))
     return weights, values if values is None or mask is None else visible_values(ops, values, mask)
