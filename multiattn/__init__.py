@@ -91,6 +91,7 @@ def dot_product_attention(
     mask_mod: Any = None,
     scale: Any = None,
     block_mask: Any = None,
+    query_offset: Any = None,
     **unknown: Any,
 ) -> Any:
     """softmax(scale Q K^T) V with masking (scale: 1 / sqrt(d) by default), on the framework
@@ -106,6 +107,9 @@ def dot_product_attention(
     on the scaled scores and ``mask_mod(b, h, q_idx, kv_idx)`` ANDed with the masks: your
     own or ready-made ones (``multiattn.mods``).  ``block_mask``: all of the masks as one value
     made once by ``create_block_mask`` and reused, instead of the mask arguments.
+    ``query_offset``: query row i sits at position query_offset + i (an int, or one per
+    sequence), after the keys of a cache: ``causal`` hides key j iff j > query_offset + i, and
+    the mods see those positions (docs/decoding.md).
     """
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
@@ -114,7 +118,7 @@ def dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
         score_mod=score_mod, mask_mod=mask_mod, scale=scale, block_mask=block_mask,
-        **unknown,
+        query_offset=query_offset, **unknown,
     )  # fmt: skip
 
 
@@ -167,6 +171,7 @@ def multi_head_attention(
     num_kv_heads: Any = None,
     scale: Any = None,
     block_mask: Any = None,
+    query_offset: Any = None,
     **unknown: Any,
 ) -> Any:
     """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
@@ -174,8 +179,8 @@ def multi_head_attention(
     optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
     ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``.  ``num_kv_heads``:
     grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
-    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads)).  ``block_mask``: as in
-    ``dot_product_attention``."""
+    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads)).  ``block_mask`` and
+    ``query_offset``: as in ``dot_product_attention``."""
     name = framework_of_call(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
@@ -183,7 +188,7 @@ def multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
         block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,
-        scale=scale, block_mask=block_mask,
+        scale=scale, block_mask=block_mask, query_offset=query_offset,
         **unknown,
     )  # fmt: skip
 

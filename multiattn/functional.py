@@ -70,6 +70,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         mask_mod: Any = None,
         scale: Any = None,
         block_mask: Any = None,
+        query_offset: Any = None,
         **unknown: Any,
     ) -> Any:
         """softmax(scale Q K^T) V (scale: 1 / sqrt(d)); 3-D (B, Q, d) or 4-D (B, H, Q, d) with
@@ -77,6 +78,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         weights); with return_lse, lse (B, [H,] Q) last: the log of the sum of exp of each
         row's visible scores.  score_mod and mask_mod: ``multiattn.mods``; block_mask: every
         mask as one value (``multiattn.create_block_mask``), instead of the mask arguments.
+        query_offset: query row i sits at position query_offset + i (an int, or (B,) ints), so
+        causal hides key j iff j > query_offset + i (decoding), and the mods see those positions.
 
         Without return_weights the framework's fused kernel runs where there is one, and the
         scores are computed in blocks of block_size (None: where they would not fit).
@@ -104,9 +107,12 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
                 return_weights,
             )  # fmt: skip
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
-        if score_mod is not None or mask_mod is not None:
+        if score_mod is not None or mask_mod is not None or query_offset is not None:
             sizes = validation.mod_sizes(ops, queries, keys)
             score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
+            if query_offset is not None:
+                validation.check_not_both(block_mask, query_offset)
+                score_mod, masks = validation.with_query_offset(ops, query_offset, masks, score_mod, sizes)
         masks = masks.with_block_mask(block_mask)
         block_size = validation.check_block_size(block_size, return_weights)
         validation.check_flag("return_lse", return_lse)
@@ -174,6 +180,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         num_kv_heads: Any = None,
         scale: Any = None,
         block_mask: Any = None,
+        query_offset: Any = None,
         **unknown: Any,
     ) -> Any:
         """Multi-head attention (d2l 11.5) with canonical weights W_q (h, q), W_k (h, k),
@@ -182,7 +189,8 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         (None: where the scores would not fit).  num_kv_heads: grouped-query attention, W_k,
         W_v (and b_k, b_v) of num_kv_heads * h / num_heads rows, query head i using key/value
         head i // (num_heads / num_kv_heads).  scale: of each head's q k^T (None: 1 / sqrt(h /
-        num_heads)).  block_mask: every mask as one value (``multiattn.create_block_mask``)."""
+        num_heads)).  block_mask: every mask as one value (``multiattn.create_block_mask``).
+        query_offset: query row i sits at position query_offset + i (``dot_product_attention``)."""
         if unknown:
             validation.unknown_keywords("multi_head_attention", unknown, keywords["multi_head_attention"])
         tensors = {f"weights[{k!r}]": w for k, w in weights.items()} if hasattr(weights, "items") else {}
@@ -204,9 +212,11 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
-        score_mod, masks = validation.with_mods(
-            score_mod, mask_mod, masks, validation.mod_sizes(ops, queries, keys)
-        )
+        sizes = validation.mod_sizes(ops, queries, keys)
+        score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
+        if query_offset is not None:
+            validation.check_not_both(block_mask, query_offset)
+            score_mod, masks = validation.with_query_offset(ops, query_offset, masks, score_mod, sizes)
         masks = masks.with_block_mask(block_mask)
         project = {
             n: functools.partial(core.linear, ops, W=weights["W_" + n], b=weights.get("b_" + n))

@@ -628,6 +628,137 @@ class or_masks(MaskFunction):
         return f"or_masks({', '.join(map(repr, self.fns))})"
 
 
+# -- queries that sit after the keys (``query_offset``) ---------------------------------------
+
+
+class causal_mask(MaskFunction):
+    """Key j visible from query i iff j <= i: ``causal=True`` as a mask function, which
+    ``at_offset`` moves (top-left aligned where queries start at key 0)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def classify(self, ops, block):
+        q0, q1, k0, k1 = block
+        return k0 <= q1 - 1, k1 - 1 <= q0
+
+    def values_key(self, block):
+        q0, q1, k0, k1 = block
+        return q0 - k0, q1 - q0, k1 - k0
+
+    def key_range(self, q0, q1):
+        return 0, q1
+
+    def implies_causal(self):
+        return True
+
+    def __repr__(self) -> str:
+        return "causal_mask()"
+
+
+def query_offsets(ops: Ops, offset: Any) -> Optional[np.ndarray]:
+    """The offsets as numpy ints on the host (an int: 0-D), or None where traced."""
+    if isinstance(offset, int):
+        return np.asarray(offset)
+    values = ops.host_values(offset) if framework_of(offset) == ops.name else np.asarray(offset)
+    return None if values is None else np.asarray(values).astype(np.int64)
+
+
+def _shift(offset: Any, q_idx: Any) -> Any:
+    """The offset to add to q_idx (1, 1, bq, 1): an int, or one per sequence (B, 1, 1, 1)."""
+    if isinstance(offset, int):
+        return offset
+    ops = _ops_of(q_idx)
+    ints = _native(q_idx)
+    found = _on(ops, np.asarray(offset) if framework_of(offset) is None else offset, ints)
+    return ops.cast(ops.reshape(found, (-1, 1, 1, 1)), ints)
+
+
+class at_offset(MaskFunction):
+    """fn for queries at positions offset + i: fn(b, h, offset + q_idx, kv_idx); offset an int
+    or one per sequence ((B,) ints: numpy, or an array of the backend)."""
+
+    def __init__(self, fn: Any, offset: Any) -> None:
+        self.fn, self.offset = as_mask_function(fn), offset
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx + _shift(self.offset, q_idx), kv_idx)
+
+    def _moved(self, block: Block, offset: int) -> Block:
+        q0, q1, k0, k1 = block
+        sizes = getattr(block, "sizes", None)
+        return TracedBlock(q0 + offset, k0, sizes) if sizes else (q0 + offset, q1 + offset, k0, k1)
+
+    def values(self, ops, like, heads, block, batch):
+        if isinstance(self.offset, int):  # the function's own values (a document's ids) where it can
+            return self.fn.values(ops, like, heads, self._moved(block, self.offset), batch)
+        return call_with_positions(ops, self, like, heads, block, batch)
+
+    def classifier(self, ops):
+        offsets = query_offsets(ops, self.offset)
+        if offsets is None:
+            return lambda block: None
+        parts, inner = sorted(set(offsets.reshape(-1).tolist())), self.fn.classifier(ops)
+
+        def classify(block):  # every sequence's offset: some key seen by one, all by every one
+            known = [inner(self._moved(block, o)) for o in parts]
+            if any(k is None for k in known):
+                return None
+            return any(k[0] for k in known), all(k[1] for k in known)
+
+        return classify
+
+    def classify(self, ops, block):
+        return self.classifier(ops)(block)
+
+    def values_key(self, block):
+        if not isinstance(self.offset, int):
+            return None
+        key = self.fn.values_key(self._moved(block, self.offset))
+        return None if key is None else ("at_offset", key)
+
+    def key_range(self, q0, q1):
+        offsets = self.offset if isinstance(self.offset, int) else None
+        if offsets is None and framework_of(self.offset) is None:
+            offsets = np.asarray(self.offset)
+        if offsets is None:
+            return None
+        lo, hi = int(np.min(offsets)), int(np.max(offsets))
+        ranges = [self.fn.key_range(q0 + lo, q1 + lo), self.fn.key_range(q0 + hi, q1 + hi)]
+        if any(r is None for r in ranges):
+            return None
+        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+
+    def implies_causal(self):
+        return isinstance(self.offset, int) and self.offset <= 0 and self.fn.implies_causal()
+
+    def traceable(self):
+        return self.fn.traceable()
+
+    def block_side(self, ops):
+        return self.fn.block_side(ops)
+
+    def check_sizes(self, batch, n_queries, n_keys):
+        self.fn.check_sizes(batch, None, n_keys)
+
+    def __repr__(self) -> str:
+        offset = self.offset if isinstance(self.offset, int) else "offsets"
+        return f"at_offset({self.fn!r}, {offset})"
+
+
+class score_at_offset:
+    """score_mod for queries at positions offset + i, as ``at_offset``."""
+
+    def __init__(self, fn: Callable[..., Tensor], offset: Any) -> None:
+        self.fn, self.offset = fn, offset
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return self.fn(score, b, h, q_idx + _shift(self.offset, q_idx), kv_idx)
+
+    def __repr__(self) -> str:
+        return f"score_at_offset({self.fn!r})"
+
+
 # -- ready-made score functions --------------------------------------------------------------
 
 

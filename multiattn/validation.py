@@ -10,6 +10,10 @@ import numbers
 import re
 from typing import Any, Optional
 
+import numpy as np
+
+from . import mods
+from ._registry import framework_of
 from .adapter import Ops
 from .masks import NO_MASKS, Masks
 from .mods import as_mask_function
@@ -388,6 +392,57 @@ def with_mods(score_mod: Any, mask_mod: Any, masks: Masks, sizes: Optional[tuple
         mask_mod.check_sizes(*sizes)
     causal = masks.causal and not mask_mod.implies_causal()  # a window is causal already
     return score_mod, Masks(masks.valid_lens, masks.attention_mask, causal, mask_mod)
+
+
+def check_query_offset(ops: Ops, query_offset: Any, batch: Any) -> Any:
+    """An int >= 0, or one per sequence: (B,) ints >= 0 (numpy, or the backend's array; read on
+    the host where the framework allows, kept as an array where traced)."""
+    expected = f"an int >= 0 or {fmt((batch,))} ints (one per sequence)"
+    if isinstance(query_offset, bool) or isinstance(query_offset, float):
+        raise TypeError(f"query_offset must be {expected}, got {query_offset!r}")
+    if framework_of(query_offset) == ops.name and framework_of(query_offset) != "numpy":
+        if ops.dtype_kind(query_offset) not in "iu":
+            raise InputDtypeError(f"query_offset must have an integer dtype, got {query_offset.dtype}")
+        shape = tuple(ops.shape(query_offset))
+        host = ops.host_values(query_offset)
+        if host is None:  # traced: used as it is
+            if len(shape) > 1 or (len(shape) == 1 and not same(shape[0], batch)):
+                raise ValueError(f"query_offset must be {expected}, got shape {fmt(shape)}")
+            return query_offset
+        query_offset = host
+    values = np.asarray(query_offset)
+    if values.dtype.kind not in "iu" or values.ndim > 1:
+        raise TypeError(f"query_offset must be {expected}, got {query_offset!r}")
+    if values.ndim == 1 and not same(values.shape[0], batch):
+        raise ValueError(f"query_offset must be {expected}, got {values.shape[0]} offsets")
+    if (values < 0).any():
+        raise ValueError(f"query_offset must be {expected}, got {values.tolist()!r}")
+    return int(values) if values.ndim == 0 else values.astype(np.int64)
+
+
+def check_not_both(block_mask: Any, query_offset: Any) -> None:
+    if block_mask is not None:
+        raise ValueError(
+            "query_offset= and block_mask= together are not supported: give the masks themselves "
+            "(causal=, mask_mod=, valid_lens=) with query_offset"
+        )
+
+
+def with_query_offset(ops: Ops, query_offset: Any, masks: Masks, score_mod: Any, sizes: tuple) -> tuple:
+    """(score_mod, masks) for queries at positions query_offset + i: causal hides key j iff
+    j > query_offset + i, and the score and mask functions see those positions.  Causality
+    that hides nothing (an int offset >= K - 1: a decoding step) is dropped."""
+    offset = check_query_offset(ops, query_offset, sizes[0])
+    if isinstance(offset, int) and offset == 0:
+        return score_mod, masks
+    sees_all = isinstance(offset, int) and sizes[2] is not None and offset >= sizes[2] - 1
+    parts = [mods.causal_mask()] if masks.causal and not sees_all else []
+    parts += [] if masks.mask_mod is None else [masks.mask_mod]
+    mask_mod = (
+        None if not parts else mods.at_offset(parts[0] if len(parts) == 1 else mods.and_masks(*parts), offset)
+    )
+    score_mod = None if score_mod is None else mods.score_at_offset(score_mod, offset)
+    return score_mod, Masks(masks.valid_lens, masks.attention_mask, False, mask_mod, masks.block_mask)
 
 
 def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
