@@ -18,6 +18,7 @@ from typing import Any
 from . import mods
 from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
 from ._registry import selected_backend as _selected_backend
+from .cache import KVCache, cached_attention
 from .specialise import explained, primitives_only
 from .validation import InputDtypeError
 
@@ -34,6 +35,8 @@ __all__ = [
     "additive_attention",
     "backend",
     "combine_attention",
+    "KVCache",
+    "cached_attention",
     "create_block_mask",
     "dot_product_attention",
     "explained",

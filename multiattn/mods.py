@@ -675,19 +675,24 @@ def _shift(offset: Any, q_idx: Any) -> Any:
 
 
 class at_offset(MaskFunction):
-    """fn for queries at positions offset + i: fn(b, h, offset + q_idx, kv_idx); offset an int
-    or one per sequence ((B,) ints: numpy, or an array of the backend)."""
+    """fn for queries at positions offset + i and keys at kv_offset + j: fn(b, h, offset +
+    q_idx, kv_offset + kv_idx); offset an int or one per sequence ((B,) ints: numpy, or an
+    array of the backend), kv_offset an int."""
 
-    def __init__(self, fn: Any, offset: Any) -> None:
-        self.fn, self.offset = as_mask_function(fn), offset
+    def __init__(self, fn: Any, offset: Any, kv_offset: int = 0) -> None:
+        self.fn, self.offset, self.kv_offset = as_mask_function(fn), offset, kv_offset
 
     def __call__(self, b, h, q_idx, kv_idx):
-        return self.fn(b, h, q_idx + _shift(self.offset, q_idx), kv_idx)
+        return self.fn(b, h, q_idx + _shift(self.offset, q_idx), kv_idx + self.kv_offset)
 
     def _moved(self, block: Block, offset: int) -> Block:
         q0, q1, k0, k1 = block
-        sizes = getattr(block, "sizes", None)
-        return TracedBlock(q0 + offset, k0, sizes) if sizes else (q0 + offset, q1 + offset, k0, k1)
+        ko, sizes = self.kv_offset, getattr(block, "sizes", None)
+        return (
+            TracedBlock(q0 + offset, k0 + ko, sizes)
+            if sizes
+            else (q0 + offset, q1 + offset, k0 + ko, k1 + ko)
+        )
 
     def values(self, ops, like, heads, block, batch):
         if isinstance(self.offset, int):  # the function's own values (a document's ids) where it can
@@ -715,7 +720,7 @@ class at_offset(MaskFunction):
         if not isinstance(self.offset, int):
             return None
         key = self.fn.values_key(self._moved(block, self.offset))
-        return None if key is None else ("at_offset", key)
+        return None if key is None else ("at_offset", self.kv_offset, key)
 
     def key_range(self, q0, q1):
         offsets = self.offset if isinstance(self.offset, int) else None
@@ -727,10 +732,11 @@ class at_offset(MaskFunction):
         ranges = [self.fn.key_range(q0 + lo, q1 + lo), self.fn.key_range(q0 + hi, q1 + hi)]
         if any(r is None for r in ranges):
             return None
-        return min(r[0] for r in ranges), max(r[1] for r in ranges)
+        ko = self.kv_offset
+        return max(min(r[0] for r in ranges) - ko, 0), max(max(r[1] for r in ranges) - ko, 0)
 
     def implies_causal(self):
-        return isinstance(self.offset, int) and self.offset <= 0 and self.fn.implies_causal()
+        return isinstance(self.offset, int) and self.offset <= self.kv_offset and self.fn.implies_causal()
 
     def traceable(self):
         return self.fn.traceable()
@@ -747,13 +753,13 @@ class at_offset(MaskFunction):
 
 
 class score_at_offset:
-    """score_mod for queries at positions offset + i, as ``at_offset``."""
+    """score_mod for queries at positions offset + i and keys at kv_offset + j, as ``at_offset``."""
 
-    def __init__(self, fn: Callable[..., Tensor], offset: Any) -> None:
-        self.fn, self.offset = fn, offset
+    def __init__(self, fn: Callable[..., Tensor], offset: Any, kv_offset: int = 0) -> None:
+        self.fn, self.offset, self.kv_offset = fn, offset, kv_offset
 
     def __call__(self, score, b, h, q_idx, kv_idx):
-        return self.fn(score, b, h, q_idx + _shift(self.offset, q_idx), kv_idx)
+        return self.fn(score, b, h, q_idx + _shift(self.offset, q_idx), kv_idx + self.kv_offset)
 
     def __repr__(self) -> str:
         return f"score_at_offset({self.fn!r})"

@@ -180,6 +180,20 @@ class Primitives:
 
     # -- primitives with a default ------------------------------------------------------
 
+    # Whether values are updated by returning new ones (jax): a cache's append returns a new cache.
+    functional_updates: bool = False
+
+    def write_rows(self, x: Tensor, start: Any, rows: Tensor) -> Tensor:
+        """x with its entries start .. start + n - 1 along axis -2 set to rows (..., n, .): in
+        place where the framework's arrays take slice assignment (x is a cache's own storage),
+        else a new array."""
+        n = self.shape(rows)[-2]
+        try:
+            x[..., start : start + n, :] = rows
+            return x
+        except TypeError:  # immutable arrays (tensorflow): a new one
+            return self.concat([x[..., :start, :], rows, x[..., start + n :, :]], -2)
+
     def safe_softmax(self, x: Tensor) -> Tensor:
         """``softmax`` with the row rule: a score of -inf gets weight exactly 0, and a row whose
         scores are all -inf gets weights 0 (not NaN); NaN stays NaN."""

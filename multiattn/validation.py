@@ -395,9 +395,10 @@ def with_mods(score_mod: Any, mask_mod: Any, masks: Masks, sizes: Optional[tuple
 
 
 def check_query_offset(ops: Ops, query_offset: Any, batch: Any) -> Any:
-    """An int >= 0, or one per sequence: (B,) ints >= 0 (numpy, or the backend's array; read on
-    the host where the framework allows, kept as an array where traced)."""
-    expected = f"an int >= 0 or {fmt((batch,))} ints (one per sequence)"
+    """An int, or one per sequence: (B,) ints (numpy, or the backend's array; read on the host
+    where the framework allows, kept as an array where traced).  A negative offset puts the
+    first queries before the first key (they see nothing, causally)."""
+    expected = f"an int or {fmt((batch,))} ints (one per sequence)"
     if isinstance(query_offset, bool) or isinstance(query_offset, float):
         raise TypeError(f"query_offset must be {expected}, got {query_offset!r}")
     if framework_of(query_offset) == ops.name and framework_of(query_offset) != "numpy":
@@ -415,8 +416,6 @@ def check_query_offset(ops: Ops, query_offset: Any, batch: Any) -> Any:
         raise TypeError(f"query_offset must be {expected}, got {query_offset!r}")
     if values.ndim == 1 and not same(values.shape[0], batch):
         raise ValueError(f"query_offset must be {expected}, got {values.shape[0]} offsets")
-    if (values < 0).any():
-        raise ValueError(f"query_offset must be {expected}, got {values.tolist()!r}")
     return int(values) if values.ndim == 0 else values.astype(np.int64)
 
 

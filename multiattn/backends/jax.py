@@ -15,6 +15,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
 from .. import fast_paths
+from ..cache import KVCache
 from ..functional import bind
 from ..protocol import layer_exports
 from .numpy_like import NumpyLikeOps
@@ -67,6 +68,11 @@ class JaxOps(NumpyLikeOps):
     def joined_rows(self, x):
         x = jnp.moveaxis(x, 0, -3)  # one reshape, not a slice per block
         return x.reshape(x.shape[:-3] + (x.shape[-3] * x.shape[-2], x.shape[-1]))
+
+    functional_updates = True
+
+    def write_rows(self, x, start, rows):
+        return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis=x.ndim - 2)
 
     def rows_at(self, x, start, size, axis=-2):
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
@@ -155,6 +161,21 @@ def _fused_kernel(queries, keys, values, mask, scale):
 FUSED_ON_CPU = False
 
 ops = JaxOps()
+
+# a cache passes through jax.jit as its arrays and its length (a traced scalar inside)
+_CACHE_FIELDS = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype")
+jax.tree_util.register_pytree_node(
+    KVCache,
+    lambda c: ((c.pages, c.length, c._like), tuple(getattr(c, f) for f in _CACHE_FIELDS)),
+    lambda fields, children: _unflatten_cache(fields, children),
+)
+
+
+def _unflatten_cache(fields, children):
+    cache = object.__new__(KVCache)
+    cache.__dict__.update(zip(_CACHE_FIELDS, fields))
+    cache.pages, cache.length, cache._like = list(children[0]), children[1], children[2]
+    return cache
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("jax")
 

@@ -1,0 +1,127 @@
+"""``KVCache`` and ``cached_attention``: a prefill then single-token steps over a cache,
+contiguous (grown by doubling, visited in blocks) or paged, give at every step the rows of the
+full causal attention of tests/reference.py's loops, on every backend; under ``jax.jit`` a
+step compiles once for every length within the capacity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import multiattn
+from multiattn import cache as cache_module
+from multiattn import mods
+
+from . import reference as ref
+from .test_mods import supported
+from .tolerances import assert_close
+
+B, H, KV, D, PREFILL, STEPS = 2, 4, 2, 3, 5, 20
+T = PREFILL + STEPS
+SLOPES = mods.alibi_slopes(H)
+
+
+def _full(bk, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    arrays = rng.normal(size=(B, H, T, D)), rng.normal(size=(B, KV, T, D)), rng.normal(size=(B, KV, T, 2))
+    return [bk.numpy(bk.tensor(a, dtype)).astype(np.float64) for a in arrays]
+
+
+def _cache(bk, dtype, **kw):
+    return multiattn.KVCache(B, KV, D, like=bk.tensor(np.zeros(1), dtype), value_dim=2, **kw)
+
+
+def _decode(bk, dtype, q, k, v, cache, steps=STEPS, **kw):
+    """The outputs of a prefill of PREFILL positions, then ``steps`` single positions."""
+    outs = []
+    for lo, hi in [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, PREFILL + steps)]:
+        args = [bk.tensor(x[:, :, lo:hi], dtype) for x in (q, k, v)]
+        out, cache = multiattn.cached_attention(*args, cache, **kw)
+        outs.append(np.asarray(bk.numpy(out), dtype=np.float64))
+    return outs, cache
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_step_gives_the_rows_of_the_full_causal_call(bk, dtype, layout, monkeypatch):
+    supported(bk, dtype)
+    monkeypatch.setattr(cache_module, "SPLIT", 8)  # several blocks at these sizes
+    q, k, v = _full(bk, dtype)
+    want, _ = ref.heads_attention(q, k, v, causal=True)
+    cache = _cache(bk, dtype, page_size=16 if layout == "paged" else None)
+    outs, cache = _decode(bk, dtype, q, k, v, cache)
+    assert cache.length == T
+    rows = [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, T)]
+    for (lo, hi), got in zip(rows, outs):
+        assert_close(bk, bk.tensor(got, dtype), want[:, :, lo:hi], dtype)
+    assert cache.capacity == (32 if layout == "paged" else 32)  # 2 pages of 16; doubled from 16
+
+
+def test_with_a_window_and_alibi(bk):
+    q, k, v = _full(bk, "float32", seed=1)
+    window = lambda b, h, i, j: 0 <= i - j < 4  # noqa: E731
+    alibi = lambda s, b, h, i, j: s + SLOPES[h] * (j - i)  # noqa: E731
+    want, _ = ref.heads_attention(q, k, v, mask_fn=window, score_fn=alibi)
+    kw = dict(causal=False, mask_mod=mods.sliding_window(4), score_mod=mods.alibi(SLOPES))
+    for page_size in (None, 4):
+        outs, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=page_size), steps=3, **kw)
+        assert_close(bk, bk.tensor(outs[0], "float32"), want[:, :, :PREFILL], "float32")
+        assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, PREFILL + 2 : PREFILL + 3], "float32")
+
+
+def test_paged_equals_contiguous_bitwise_where_the_blocks_match(bk, monkeypatch):
+    """Pages of 16 against contiguous blocks of 16: the same blocks, merged the same way."""
+    monkeypatch.setattr(cache_module, "SPLIT", 16)
+    q, k, v = _full(bk, "float32", seed=2)
+    paged, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=16))
+    contiguous, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32"))
+    for a, b in zip(paged, contiguous):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_paged_cache_holds_its_pages_only(bk):
+    like = bk.tensor(np.zeros(1), "float32")
+    cache = multiattn.KVCache(1, 2, 64, like=like, page_size=256)
+    cache = cache.append(*(bk.tensor(np.ones((1, 2, 1000, 64)), "float32") for _ in range(2)))
+    per_position = 2 * 2 * 64 * 4  # keys and values, 2 heads of 64 float32
+    assert cache.length == 1000 and cache.nbytes <= 1.05 * 1024 * per_position
+    contiguous = multiattn.KVCache(1, 2, 64, like=like)
+    for _ in range(1000):
+        contiguous = contiguous.append(*(bk.tensor(np.ones((1, 2, 1, 64)), "float32") for _ in range(2)))
+    assert contiguous.capacity == 1024  # doubled from 16
+
+
+def test_a_decoding_step_compiles_once_under_jax_jit(bk):
+    if bk.name != "jax":
+        pytest.skip("jax.jit; the eager backends run the steps above")
+    import jax
+
+    q, k, v = _full(bk, "float32", seed=3)
+    want, _ = ref.heads_attention(q, k, v, causal=True)
+    traces = []
+
+    @jax.jit
+    def step(q, k, v, cache):
+        traces.append(1)
+        return multiattn.cached_attention(q, k, v, cache)
+
+    cache = _cache(bk, "float32", capacity=32)
+    first = [bk.tensor(x[:, :, :PREFILL], "float32") for x in (q, k, v)]
+    _, cache = multiattn.cached_attention(*first, cache)  # the prefill, eagerly
+    for t in range(PREFILL, T):
+        out, cache = step(*(bk.tensor(x[:, :, t : t + 1], "float32") for x in (q, k, v)), cache)
+        assert_close(bk, out, want[:, :, t : t + 1], "float32")
+    assert len(traces) == 1
+    assert int(cache.length) == T
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    ((B, KV, 1, D + 1), ValueError, r"keys must have shape \(2, 2, 'n', 3\)"),
+    ((B, KV + 1, 1, D), ValueError, "keys must have shape"),
+])  # fmt: skip
+def test_bad_appends_are_refused_by_name(bk, bad, error, words):
+    cache = _cache(bk, "float32")
+    with pytest.raises(error, match=words):
+        cache.append(bk.tensor(np.zeros(bad), "float32"), bk.tensor(np.zeros(bad), "float32"))
+    with pytest.raises(ValueError, match="page_size must be an int >= 1"):
+        multiattn.KVCache(B, KV, D, like=bk.tensor(np.zeros(1), "float32"), page_size=0)
