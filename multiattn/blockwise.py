@@ -363,7 +363,8 @@ def attention_in_blocks(
     compile_rows = compile_ and ops.compiled_rows
     compile_steps = compile_ and not compile_rows
     key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
-    finite_values = known_finite(ops, values)  # then no hidden value can reach an output as 0 * NaN
+    # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
+    finite_values = masks.none or known_finite(ops, values)
     fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
     merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
     jitted_steps = compile_steps and not merge  # each step a program of the compiler's

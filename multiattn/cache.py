@@ -1,10 +1,9 @@
 """Decoding over cached keys and values: ``KVCache`` holds them, contiguous or in pages, and
 ``cached_attention`` appends a step's keys and values and attends its queries over every
-position held.  The keys are visited in blocks, each attended with ``return_lse`` and the
-blocks merged by their log-sum-exp (``blockwise.combine``: flash-decoding's split-K): a
-contiguous cache in blocks of ``SPLIT`` positions, a paged one page by page (never gathered
-into one array).  The blocks are fixed by the positions, so a row's answer does not depend on
-the batch, on the thread count or on how many positions came in one step."""
+position held: contiguous storage in one ``dot_product_attention`` call over the positions
+filled (its answer is that call's, bitwise), a paged cache page by page, each page attended
+with ``return_lse`` and the pages merged by their log-sum-exp (``blockwise.combine``:
+flash-decoding's split-K), never gathered into one array."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from ._registry import framework_of, get_backend
 from .validation import dtype_name
 
 Tensor = Any
-SPLIT = 1024  # positions per block of a contiguous cache: few Python steps, and a block's scores in L2
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
 
 
@@ -147,22 +145,19 @@ class KVCache:
     # -- the blocks attention visits ------------------------------------------------------------
 
     def blocks(self, length: Any) -> Iterator[Tuple[int, Tensor, Tensor, Any]]:
-        """(start, keys, values, lengths or None) of each block of positions below ``length``: a
-        page, or ``SPLIT`` positions of contiguous storage; where length is traced, every block
-        of the capacity, with the positions filled per sequence ((B,) ints) to hide the rest."""
+        """(start, keys, values, lengths or None) of the stored positions below ``length``: the
+        contiguous storage as one block, a paged cache page by page; where length is traced,
+        all of the storage, with the positions filled per sequence ((B,) ints) to hide the rest."""
         traced, position = not isinstance(length, int), 0
         for k, v in self.pages:
-            size = self.ops.shape(k)[-2]
-            step = size if self.page_size else SPLIT
-            for start in range(0, size, step):
-                if not traced and position + start >= length:
-                    return
-                stop = min(start + step, size) if traced else min(start + step, size, length - position)
-                lens = (
-                    self.ops.positions(0, self.batch, k) * 0 + (length - position - start) if traced else None
-                )
-                yield position + start, k[..., start:stop, :], v[..., start:stop, :], lens
-            position += size
+            if not traced and position >= length:
+                return
+            stop = self.ops.shape(k)[-2] if traced else min(self.ops.shape(k)[-2], length - position)
+            lens = None
+            if traced:  # (B,) copies of the positions filled in this block
+                lens = self.ops.positions(0, self.batch, k) * 0 + (length - position)
+            yield position, k[..., :stop, :], v[..., :stop, :], lens
+            position += self.ops.shape(k)[-2]
 
 
 def _known(ops: Any, length: Any) -> Any:
@@ -191,15 +186,20 @@ def cached_attention(
 
     old = _known(cache.ops, cache.length)
     cache = cache.append(k_new, v_new)
-    parts = []
-    for start, k, v, lens in cache.blocks(cache.length):
+    blocks = list(cache.blocks(cache.length))
+
+    def attend(start: int, k: Tensor, v: Tensor, lens: Any, lse: bool) -> Any:
         shifted = {}  # the mods see absolute positions: keys from start, queries from old
         if mask_mod is not None:
             shifted["mask_mod"] = mods.at_offset(mask_mod, start, start)
         if score_mod is not None:
             shifted["score_mod"] = mods.score_at_offset(score_mod, start, start)
-        parts.append(dot_product_attention(
-            q, k, v, lens, causal=causal, scale=scale, return_lse=True, query_offset=old - start, **shifted
-        ))  # fmt: skip
-    out, _ = parts[0] if len(parts) == 1 else blockwise.combine(cache.ops, parts)
+        return dot_product_attention(
+            q, k, v, lens, causal=causal, scale=scale, return_lse=lse, query_offset=old - start, **shifted
+        )
+
+    if len(blocks) == 1:
+        out = attend(*blocks[0], lse=False)
+    else:
+        out, _ = blockwise.combine(cache.ops, [attend(*block, lse=True) for block in blocks])
     return out, cache

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import cache as cache_module
 from multiattn import mods
 
 from . import reference as ref
@@ -43,9 +42,8 @@ def _decode(bk, dtype, q, k, v, cache, steps=STEPS, **kw):
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_every_step_gives_the_rows_of_the_full_causal_call(bk, dtype, layout, monkeypatch):
+def test_every_step_gives_the_rows_of_the_full_causal_call(bk, dtype, layout):
     supported(bk, dtype)
-    monkeypatch.setattr(cache_module, "SPLIT", 8)  # several blocks at these sizes
     q, k, v = _full(bk, dtype)
     want, _ = ref.heads_attention(q, k, v, causal=True)
     cache = _cache(bk, dtype, page_size=16 if layout == "paged" else None)
@@ -69,14 +67,17 @@ def test_with_a_window_and_alibi(bk):
         assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, PREFILL + 2 : PREFILL + 3], "float32")
 
 
-def test_paged_equals_contiguous_bitwise_where_the_blocks_match(bk, monkeypatch):
-    """Pages of 16 against contiguous blocks of 16: the same blocks, merged the same way."""
-    monkeypatch.setattr(cache_module, "SPLIT", 16)
+def test_contiguous_is_the_call_over_the_keys_held_bitwise_and_paged_its_rounding(bk):
+    """A contiguous cache's step is dot_product_attention over the keys held with query_offset,
+    bitwise; a paged one (pages of 16) merges its pages by lse: equal to float32 rounding."""
     q, k, v = _full(bk, "float32", seed=2)
     paged, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=16))
     contiguous, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32"))
-    for a, b in zip(paged, contiguous):
-        np.testing.assert_array_equal(a, b)
+    for t, (a, b) in enumerate(zip(paged[1:], contiguous[1:]), start=PREFILL):
+        args = [bk.tensor(x, "float32") for x in (q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1])]
+        direct = multiattn.dot_product_attention(*args, causal=True, query_offset=t)
+        np.testing.assert_array_equal(b, np.asarray(bk.numpy(direct), dtype=np.float64))
+        assert_close(bk, bk.tensor(a, "float32"), b, "float32")
 
 
 def test_a_paged_cache_holds_its_pages_only(bk):

@@ -176,6 +176,8 @@ def _unflatten_cache(fields, children):
     cache.__dict__.update(zip(_CACHE_FIELDS, fields))
     cache.pages, cache.length, cache._like = list(children[0]), children[1], children[2]
     return cache
+
+
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("jax")
 
