@@ -182,8 +182,7 @@ def cached_attention(
     with ``query_offset`` = the old length.  A prefill (n > 1) and a decoding step alike."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a multiattn.KVCache, got {type(cache).__name__}")
-    from . import dot_product_attention  # the public entry: the checks and the backend's path
-
+    dot_product_attention = get_backend(cache.ops.name).dot_product_attention  # the checks, the paths
     old = _known(cache.ops, cache.length)
     cache = cache.append(k_new, v_new)
     blocks = list(cache.blocks(cache.length))

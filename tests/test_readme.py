@@ -140,12 +140,14 @@ DECODING = README.parent / "docs" / "decoding.md"
 
 
 def test_the_decoding_examples_print_what_their_comments_say():
-    """docs/decoding.md's examples run; each print's comment is its output (jax's where installed)."""
+    """docs/decoding.md's examples run; each print's comment is its output (jax's and torch's
+    where installed)."""
     blocks = re.findall(r"```python\n(.*?)```", DECODING.read_text(), re.S)
-    assert len(blocks) == 2
+    assert len(blocks) == 6
     for block in blocks:
-        if "import jax" in block and importlib.util.find_spec("jax") is None:
-            continue  # the environment without jax (mxnet's) runs the numpy example
+        needs = [name for name in ("jax", "torch") if f"import {name}" in block]
+        if any(importlib.util.find_spec(name) is None for name in needs):
+            continue  # an environment without it (mxnet's) runs the numpy examples
         result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         said = [line.split("# ", 1)[1] for line in block.splitlines() if line.startswith("print(")]

@@ -166,7 +166,10 @@ ops = JaxOps()
 _CACHE_FIELDS = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype")
 jax.tree_util.register_pytree_node(
     KVCache,
-    lambda c: ((c.pages, c.length, c._like), tuple(getattr(c, f) for f in _CACHE_FIELDS)),
+    lambda c: (
+        (c.pages, jnp.asarray(c.length, jnp.int32), c._like),
+        tuple(getattr(c, f) for f in _CACHE_FIELDS),
+    ),
     lambda fields, children: _unflatten_cache(fields, children),
 )
 
