@@ -16,8 +16,13 @@ from .. import reference
 
 FUNCTIONS = (
     "masked_softmax", "dot_product", "additive", "multi_head", "grouped",
-    "dot_product_4d", "masked_softmax_4d",
+    "dot_product_4d", "masked_softmax_4d", "decoding",
 )  # fmt: skip
+# decoding, on the 4-D inputs, causal: query_offset (one per sequence: DECODING_OFFSETS); a
+# KVCache holding the first CACHED positions, then each query a step with its key and value;
+# the same with pages of PAGE_SIZE positions
+DECODING_MASKS = ("offset", "steps", "paged")
+DECODING_OFFSETS, CACHED, PAGE_SIZE = np.array([1, 2]), 2, 2
 MASKS = ("none", "1d", "2d", "mask", "causal", "all")
 # score and mask functions (``multiattn.mods``), ANDed with the masks of MOD_ARGS
 MOD_MASKS = ("window", "document", "softcap")
@@ -62,8 +67,12 @@ QUERY_IDS = KEY_IDS[:, :QUERIES]
 
 
 def mod_mask(mask: str) -> Optional[np.ndarray]:
-    """The mask function of a mod case by its formula, (B, Q, K) booleans (None: no mask function)."""
+    """The mask function of a mod case by its formula, (B, Q, K) booleans (None: no mask function);
+    of a decoding case, causality for query i at position offset + i."""
     i, j = np.arange(QUERIES)[:, None], np.arange(KEYS)[None, :]
+    if mask in DECODING_MASKS:
+        offsets = DECODING_OFFSETS if mask == "offset" else np.full(BATCH, CACHED)
+        return j[None] <= offsets[:, None, None] + i[None]
     if mask == "window":
         return np.broadcast_to((0 <= i - j) & (i - j < WINDOW), (BATCH, QUERIES, KEYS))
     if mask == "document":
@@ -160,6 +169,7 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
         "masked_softmax": {"X": "X"},
         "masked_softmax_4d": {"X": "X_4d"},
         "dot_product_4d": {"queries": "queries_4d", "keys": "keys_4d", "values": "values_4d"},
+        "decoding": {"queries": "queries_4d", "keys": "keys_4d", "values": "values_4d"},
         "dot_product": {"queries": "queries", "keys": "keys", "values": "values"},
         "additive": {
             "queries": "queries",
@@ -182,12 +192,14 @@ def make_cases(seed: int = 0, mods: bool = True) -> list:
             **{n: "grouped_" + n for n in ("W_q", "W_k", "W_v", "W_o", "b_q", "b_k", "b_v", "b_o")},
         },
     }
+    cotangents["decoding"] = cotangents["dot_product_4d"]
     cases = []
     for function in FUNCTIONS:
         for dtype in DTYPES:
-            for mask in MASKS + (MOD_MASKS if mods else ()):
+            masks = DECODING_MASKS if function == "decoding" else MASKS + (MOD_MASKS if mods else ())
+            for mask in masks:
                 inputs = {arg: round_to(raw[src], dtype) for arg, src in names[function].items()}
-                lens, attention_mask, causal = {**MASK_ARGS, **MOD_ARGS}[mask]
+                lens, attention_mask, causal = {**MASK_ARGS, **MOD_ARGS}.get(mask, (None, None, True))
                 case = Case(function, mask, dtype, inputs, lens, cotangents[function], attention_mask, causal)
                 case.expected = expected(case)
                 cases.append(case)
@@ -220,10 +232,11 @@ def expected(case: Case) -> dict:
     shown = mod_mask(case.mask)
     if shown is not None:  # the mask function ANDs with the others
         attention_mask = shown if attention_mask is None else shown & attention_mask
-    masks = dict(attention_mask=attention_mask, causal=case.causal, softcap=case.softcap)
+    causal = case.causal and case.function != "decoding"  # decoding: causality from the offsets
+    masks = dict(attention_mask=attention_mask, causal=causal, softcap=case.softcap)
     if case.function in ("masked_softmax", "masked_softmax_4d"):
         return reference.masked_softmax_case(args["X"], case.valid_lens, case.cotangent, **masks)
-    if case.function in ("dot_product", "dot_product_4d"):
+    if case.function in ("dot_product", "dot_product_4d", "decoding"):
         return reference.dot_product_attention(
             args["queries"], args["keys"], args["values"], case.valid_lens, case.cotangent, **masks
         )

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from .cases import DTYPES, FUNCTIONS, MASKS, MOD_MASKS, Case, tolerance
+from .cases import DECODING_MASKS, DTYPES, FUNCTIONS, MASKS, MOD_MASKS, Case, tolerance
 
 
 @dataclass
@@ -59,7 +59,7 @@ def _fail(row: Row, reason: str) -> None:
     ("1d, 2d: NaN in the output; 1d: input modified in place: X")."""
     row.verdict = "FAIL"
     mask, sep, why = reason.partition(": ")
-    if not sep or mask not in MASKS + MOD_MASKS:
+    if not sep or mask not in MASKS + MOD_MASKS + DECODING_MASKS:
         mask, why = "", reason
     row.failures.setdefault(why, [])
     if mask and mask not in row.failures[why]:

@@ -13,7 +13,18 @@ import traceback
 from typing import Any, Callable, Dict
 
 from .._registry import get_backend
-from .cases import GROUPED_HEADS, GROUPED_KV_HEADS, NUM_HEADS, Case, make_cases, mod_keywords
+from ..cache import KVCache, cached_attention
+from .cases import (
+    CACHED,
+    DECODING_OFFSETS,
+    GROUPED_HEADS,
+    GROUPED_KV_HEADS,
+    NUM_HEADS,
+    PAGE_SIZE,
+    Case,
+    make_cases,
+    mod_keywords,
+)
 from .results import framework_version, save_native, save_results
 
 BLOCK_SIZE = 2  # the cases' 3 queries and 5 keys: partial blocks, a last block shorter
@@ -45,6 +56,38 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
 
         def blocks(q, k, v):
             return module.dot_product_attention(q, k, v, lens, block_size=BLOCK_SIZE, **masks)
+
+    elif case.function == "decoding" and case.mask == "offset":
+
+        def run(q, k, v):
+            offsets = DECODING_OFFSETS
+            return module.dot_product_attention(
+                q, k, v, causal=True, query_offset=offsets, return_weights=True
+            )
+
+        def fast(q, k, v):
+            return module.dot_product_attention(q, k, v, causal=True, query_offset=DECODING_OFFSETS)
+
+        def blocks(q, k, v):
+            return module.dot_product_attention(
+                q, k, v, causal=True, query_offset=DECODING_OFFSETS, block_size=BLOCK_SIZE
+            )
+
+    elif case.function == "decoding":  # a cache holding CACHED positions, then a step per query
+        page_size = PAGE_SIZE if case.mask == "paged" else None
+
+        def run(q, k, v):
+            batch, kv_heads, _, width = module.ops.shape(k)
+            cache = KVCache(
+                batch, kv_heads, width, like=q, page_size=page_size, value_dim=module.ops.shape(v)[-1]
+            )
+            cache = cache.append(k[:, :, :CACHED], v[:, :, :CACHED])
+            outs = []
+            for t in range(module.ops.shape(q)[2]):
+                step = slice(CACHED + t, CACHED + t + 1)
+                out, cache = cached_attention(q[:, :, t : t + 1], k[:, :, step], v[:, :, step], cache)
+                outs.append(out)
+            return module.ops.concat(outs, 2), None
 
     elif case.function in ("multi_head", "grouped"):
         heads = (
@@ -79,12 +122,14 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
 
     args = [tensors[a] for a in order]
     out, weights = run(*args)
-    result: Dict[str, Any] = {"out": module.to_numpy(out), "weights": module.to_numpy(weights)}
+    result: Dict[str, Any] = {"out": module.to_numpy(out)}
+    if weights is not None:  # a cache's steps give none
+        result["weights"] = module.to_numpy(weights)
     if fast is not None:
         result["fast"] = module.to_numpy(fast(*args))
     if blocks is not None:
         result["blocks"] = module.to_numpy(blocks(*args))
-    if case.wants_grads and module.vjp is not None:
+    if case.wants_grads and module.vjp is not None and (case.function != "decoding" or case.mask == "offset"):
         cotangent = module.from_numpy(case.cotangent, case.dtype)
         _, grads = module.vjp(lambda *xs: run(*xs)[0], args, cotangent)
         result["grads"] = {a: module.to_numpy(g) for a, g in zip(order, grads)}

@@ -22,6 +22,7 @@ import numpy as np
 from .. import core, validation
 from ..adapter import Ops
 from ..block_mask import unpacked
+from ..cache import KVCache, cached_attention
 from ..protocol import Tensor
 
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
@@ -196,6 +197,11 @@ class AttentionCall:
 
     def _no_unknown(self, unknown: dict) -> None:
         """TypeError for keywords the call does not take: did you mean, or ours for torch's."""
+        if "cache" in unknown:
+            raise TypeError(
+                f"{type(self).__name__} takes no cache=: MultiHeadAttention's call decodes with one "
+                "(multiattn.cached_attention for the functions)"
+            )
         if unknown:
             keywords = ("valid_lens", "attention_mask", "causal", "score_mod", "mask_mod", "block_mask")
             validation.unknown_keywords(f"{type(self).__name__}.__call__", unknown, keywords)
@@ -257,10 +263,14 @@ class AttentionCall:
 
     def _multi_head(
         self, queries, keys, values, valid_lens, dropout, need_weights, attention_mask, causal,
-        score_mod=None, mask_mod=None, block_mask=None,
+        score_mod=None, mask_mod=None, block_mask=None, cache=None,
     ):  # fmt: skip
-        """(output, weights or None) of multi-head attention with this layer's parameters."""
+        """(output, weights or None) of multi-head attention with this layer's parameters; with
+        a cache, ((output, cache), None) (``_decoding``)."""
         self._check(queries, keys, values, valid_lens, attention_mask)
+        if cache is not None:
+            return self._decoding(queries, keys, values, cache, causal, score_mod, mask_mod, valid_lens,
+                                  attention_mask, block_mask), None  # fmt: skip
         valid_lens, attention_mask, causal, mask_mod, block_size = unpacked(
             block_mask, self._ops, queries, keys, valid_lens, attention_mask, causal, mask_mod, None,
             need_weights,
@@ -288,3 +298,40 @@ class AttentionCall:
             num_kv_heads=getattr(self, "num_kv_heads", None),  # None: pickled before it existed
             block_size=block_size,
         )  # fmt: skip
+
+    def _decoding(
+        self, queries, keys, values, cache, causal, score_mod, mask_mod, valid_lens, attention_mask,
+        block_mask,
+    ):  # fmt: skip
+        """(output, cache): the keys and values of these positions, projected, appended to the
+        cache, and the queries, projected, attending over every position it holds
+        (``multiattn.cached_attention``): no projection recomputed, no weights, no dropout."""
+        if not (valid_lens is None and attention_mask is None and block_mask is None):
+            raise ValueError(
+                "cache= takes causal=, mask_mod= and score_mod=: valid_lens, attention_mask and "
+                "block_mask hide keys of one call, not the cache's positions"
+            )
+        ops = self._ops
+        sizes = (self.query_size, self.key_size, self.value_size)
+        validation.multi_head_call(
+            ops, queries, keys, values, None, None, causal, self.num_heads, self.num_hiddens, sizes
+        )
+        project = {n: self._project(n, queries) for n in "qkvo"}
+        kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
+        q = ops.split_heads(project["q"](queries), self.num_heads)
+        k, v = (ops.split_heads(project[n](x), kv_heads) for n, x in zip("kv", (keys, values)))
+        out, cache = cached_attention(q, k, v, cache, causal=causal, score_mod=score_mod, mask_mod=mask_mod)
+        return project["o"](ops.merge_heads(out)), cache
+
+    def new_cache(self, batch: int, *, like: Tensor, page_size: Optional[int] = None, capacity: int = 0):
+        """An empty ``multiattn.KVCache`` for this layer's projected keys and values (its
+        key/value heads of num_hiddens / num_heads), in like's dtype and device, for ``cache=``."""
+        kv_heads = getattr(self, "num_kv_heads", None) or self.num_heads
+        return KVCache(
+            batch,
+            kv_heads,
+            self.num_hiddens // self.num_heads,
+            like=like,
+            page_size=page_size,
+            capacity=capacity,
+        )

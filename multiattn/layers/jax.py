@@ -161,13 +161,13 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
 
     def __call__(
         self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None,
+        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None, cache=None,
         **unknown,
     ):  # fmt: skip
         self._no_unknown(unknown)
         result = self._multi_head(
             queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask,
+            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask, cache=cache,
         )  # fmt: skip
         return self._finish(result, return_weights)
 

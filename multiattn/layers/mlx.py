@@ -160,6 +160,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ) -> mx.array:
         self._no_unknown(unknown)
@@ -175,6 +176,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             score_mod,
             mask_mod,
             block_mask=block_mask,
+            cache=cache,
         )
         return out
 

@@ -35,12 +35,25 @@ class _Block(AttentionCall, nn.Block):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ):
+        if cache is not None and not isinstance(self, MultiHeadWeights):
+            unknown["cache"] = cache
         self._no_unknown(unknown)
         # Gluon's Block.__call__ passes positional arguments only
+        decoding = () if cache is None else (cache,)
         return super().__call__(
-            queries, keys, values, valid_lens, attention_mask, causal, score_mod, mask_mod, block_mask
+            queries,
+            keys,
+            values,
+            valid_lens,
+            attention_mask,
+            causal,
+            score_mod,
+            mask_mod,
+            block_mask,
+            *decoding,
         )
 
     def _parameter(self, name):
@@ -180,6 +193,7 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -195,5 +209,6 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
             score_mod,
             mask_mod,
             block_mask=block_mask,
+            cache=cache,
         )
         return out

@@ -186,6 +186,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -201,6 +202,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             score_mod,
             mask_mod,
             block_mask=block_mask,
+            cache=cache,
         )
         return out
 

@@ -224,6 +224,7 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -239,6 +240,7 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
             score_mod,
             mask_mod,
             block_mask=block_mask,
+            cache=cache,
         )
         return out
 

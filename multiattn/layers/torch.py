@@ -185,6 +185,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
         score_mod=None,
         mask_mod=None,
         block_mask=None,
+        cache=None,
         **unknown,
     ):
         self._no_unknown(unknown)
@@ -200,6 +201,7 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
             score_mod,
             mask_mod,
             block_mask=block_mask,
+            cache=cache,
         )
         return out
 
