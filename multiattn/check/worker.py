@@ -81,11 +81,11 @@ def _run_case(module: Any, case: Case) -> Dict[str, Any]:
             cache = KVCache(
                 batch, kv_heads, width, like=q, page_size=page_size, value_dim=module.ops.shape(v)[-1]
             )
-            cache = cache.append(k[:, :, :CACHED], v[:, :, :CACHED])
+            cache = cache.append(k[..., :CACHED, :], v[..., :CACHED, :])
             outs = []
             for t in range(module.ops.shape(q)[2]):
                 step = slice(CACHED + t, CACHED + t + 1)
-                out, cache = cached_attention(q[:, :, t : t + 1], k[:, :, step], v[:, :, step], cache)
+                out, cache = cached_attention(q[..., t : t + 1, :], k[..., step, :], v[..., step, :], cache)
                 outs.append(out)
             return module.ops.concat(outs, 2), None
 
