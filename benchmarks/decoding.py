@@ -21,21 +21,13 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import _sync  # noqa: E402  (benchmarks/run.py: waiting for lazy frameworks)
 
 import multiattn  # noqa: E402
 
 B, H, KV, D = 1, 8, 2, 64
-
-
-def _sync(backend, x):
-    if backend == "jax":
-        x.block_until_ready()
-    elif backend == "mlx":
-        import mlx.core as mx
-
-        mx.eval(x)
-    elif backend == "mxnet":
-        x.wait_to_read()
 
 
 def implementations(backend: str, length: int) -> dict:
