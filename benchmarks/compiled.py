@@ -7,9 +7,9 @@ second call, and the peak RSS growth of the process over both, each case in a fr
     python benchmarks/compiled.py --backends mlx --sizes 2048,8192   # mx.compile
 
 q, k, v (1, N, 64) float32, causal, no weights; forward: the call under ``jax.jit`` /
-``tf.function`` / ``torch.compile`` / ``mx.compile``; grad: the gradient of its output's sum with respect to q, k and v, under the
-same compiler.  The gradient is checked against the eager call's (printed as the largest
-difference) at the smallest size.
+``tf.function`` / ``torch.compile`` / ``mx.compile``; grad: the gradient of its output's sum
+with respect to q, k and v, under the same compiler.  The gradient is checked against the
+eager call's (printed as the largest difference) at the smallest size.
 """
 
 from __future__ import annotations

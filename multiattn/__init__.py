@@ -16,7 +16,14 @@ from types import ModuleType
 from typing import Any
 
 from . import mods
-from ._registry import BACKENDS, ENV_VAR, BackendImportError, framework_of_call, get_backend
+from ._registry import (
+    BACKENDS,
+    ENV_VAR,
+    BackendImportError,
+    framework_of_call,
+    get_backend,
+    loaded_backend_of,
+)
 from ._registry import selected_backend as _selected_backend
 from .cache import KVCache, cached_attention
 from .specialise import explained, primitives_only
@@ -67,8 +74,10 @@ def masked_softmax(
     >= valid_lens, where attention_mask is False (True: may attend), j > i when causal, and
     where mask_mod(b, h, q_idx, kv_idx) is False; score_mod(score, b, h, q_idx, kv_idx) first,
     on X (``multiattn.mods``)."""
-    name = framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-    return get_backend(name).masked_softmax(
+    module = loaded_backend_of(X, valid_lens, attention_mask) or get_backend(
+        framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
+    )
+    return module.masked_softmax(
         X,
         valid_lens,
         attention_mask=attention_mask,
@@ -114,10 +123,12 @@ def dot_product_attention(
     sequence), after the keys of a cache: ``causal`` hides key j iff j > query_offset + i, and
     the mods see those positions (docs/decoding.md).
     """
-    name = framework_of_call(
-        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
+    module = loaded_backend_of(queries, keys, values, valid_lens, attention_mask) or get_backend(
+        framework_of_call(
+            queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
+        )
     )
-    return get_backend(name).dot_product_attention(
+    return module.dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
         return_weights=return_weights, return_lse=return_lse, block_size=block_size,
         score_mod=score_mod, mask_mod=mask_mod, scale=scale, block_mask=block_mask,
@@ -184,10 +195,12 @@ def multi_head_attention(
     grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
     ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads)).  ``block_mask`` and
     ``query_offset``: as in ``dot_product_attention``."""
-    name = framework_of_call(
-        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
+    module = loaded_backend_of(queries, keys, values, valid_lens, attention_mask) or get_backend(
+        framework_of_call(
+            queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
+        )
     )
-    return get_backend(name).multi_head_attention(
+    return module.multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
         attention_mask=attention_mask, causal=causal, return_weights=return_weights,
         block_size=block_size, score_mod=score_mod, mask_mod=mask_mod, num_kv_heads=num_kv_heads,

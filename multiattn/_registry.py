@@ -135,6 +135,16 @@ def known_types(name: str) -> set[type]:
     return _types_of[name]
 
 
+def loaded_backend_of(first: Any, *others: Any) -> ModuleType | None:
+    """The backend module already loaded for first's type where every other argument is None
+    or of that type: the common call in one lookup; else None (``framework_of_call`` then)."""
+    cls = type(first)
+    for x in others:
+        if x is not None and type(x) is not cls:
+            return None
+    return _loaded.get(_framework_of_type.get(cls))  # type: ignore[arg-type]
+
+
 def framework_of_call(**tensors: Any) -> str:
     """The one framework shared by the named tensors; TypeError naming both if mixed."""
     seen: tuple[str, str] | None = None

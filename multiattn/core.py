@@ -30,7 +30,8 @@ def masked_softmax(ops: Ops, X: Tensor, masks: Masks = NO_MASKS, score_mod: Scor
         return ops.zeros(ops.shape(X), X)
     if score_mod is not None:
         X = modified_scores(ops, score_mod, X)
-    return masked_weights(ops, X, None, masks.with_mask_mod_evaluated(ops, X), owned=False)[0]
+    masks, asks = masks.with_mask_mod_evaluated(ops, X), specialise.asks(ops, ops.shape(X))
+    return masked_weights(ops, X, None, masks, owned=False, asks=asks)[0]
 
 
 def dot_product_attention(
@@ -54,7 +55,8 @@ def dot_product_attention(
             return (done[0], None, done[1]) if need_lse else (done[0], None)
     if masks.mask_mod is not None:
         masks = masks.with_mask_mod_evaluated(ops, queries, tuple(q_shape[:-1]) + (k_shape[-2],))
-    if not (need_lse or score_mod is not None or heads.groups(ops, queries, keys) > 1):
+    asks = specialise.asks(ops, (*q_shape[:-1], k_shape[-2]))
+    if asks and not (need_lse or score_mod is not None or heads.groups(ops, queries, keys) > 1):
         args = (queries, keys, values, masks, scale, dropout, need_weights)
         done = specialise.run(ops, "dot_product_attend", *args)
         if done is not None:
@@ -63,7 +65,7 @@ def dot_product_attention(
     if score_mod is not None:
         scores = modified_scores(ops, score_mod, scores)
     lse = blockwise.log_sum_exp(ops, scores, visibility(ops, masks, scores)) if need_lse else None
-    out, weights = attend(ops, scores, values, masks, dropout)
+    out, weights = attend(ops, scores, values, masks, dropout, asks)
     weights = weights if need_weights else None
     return (out, weights, lse) if need_lse else (out, weights)
 
@@ -147,17 +149,17 @@ def modified_scores(ops: Ops, score_mod: Callable[..., Tensor], scores: Tensor) 
     return mods.apply_score_mod(ops, score_mod, scores, (0, shape[-2], 0, shape[-1]), shape[0])
 
 
-def attend(ops: Ops, scores: Tensor, values: Tensor, masks: Masks, dropout: Dropout = None) -> tuple:
+def attend(ops: Ops, scores: Tensor, values: Tensor, masks: Masks, dropout: Dropout = None, asks=True):
     """(attention pooling of values by the masked softmax of the core's own scores, the
-    weights before dropout)."""
-    weights, values = masked_weights(ops, scores, values, masks, owned=True)
+    weights before dropout); asks: whether to ask the specialisations (``specialise.asks``)."""
+    weights, values = masked_weights(ops, scores, values, masks, owned=True, asks=asks)
     return attention_pooling(ops, weights, values, dropout), weights
 
 
-def masked_weights(ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool) -> tuple:
+def masked_weights(ops: Ops, scores: Tensor, values: Optional[Tensor], masks: Masks, owned: bool, asks=True):
     """(the masked softmax of scores, values with the rows no query may see set to 0).
     owned: the scores are the core's own, and may be written (a specialisation's passes)."""
-    done = specialise.run(ops, "masked_softmax", scores, values, masks, owned)
+    done = specialise.run(ops, "masked_softmax", scores, values, masks, owned) if asks else None
     if done is not None:
         return done
     return softmax_where(ops, scores, values, masks, where=ops.where, safe_softmax=ops.safe_softmax)

@@ -113,13 +113,19 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             if query_offset is not None:
                 validation.check_not_both(block_mask, query_offset)
                 score_mod, masks = validation.with_query_offset(ops, query_offset, masks, score_mod, sizes)
-        masks = masks.with_block_mask(block_mask)
-        block_size = validation.check_block_size(block_size, return_weights)
-        validation.check_flag("return_lse", return_lse)
+        if block_mask is not None:
+            masks = masks.with_block_mask(block_mask)
+        flags = return_lse is False and (return_weights is True or return_weights is False)
+        if not (flags and block_size is None and scale is None):  # the defaults need no check
+            block_size = validation.check_block_size(block_size, return_weights)
+            validation.check_flag("return_lse", return_lse)
+            scale = validation.check_scale(scale)
         result = core.dot_product_attention(
             ops, queries, keys, values, masks, need_weights=return_weights, block_size=block_size,
-            need_lse=return_lse, score_mod=score_mod, scale=validation.check_scale(scale),
+            need_lse=return_lse, score_mod=score_mod, scale=scale,
         )  # fmt: skip
+        if return_weights is True and return_lse is False:
+            return result  # (output, weights) as the core gives them
         return validation.returned(result, return_weights, return_lse)
 
     def additive_attention(

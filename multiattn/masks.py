@@ -124,9 +124,11 @@ def visible_values(ops: Ops, values: Tensor, mask: Tensor) -> Tensor:
     """values (B, [H,] K, v) with the rows no query may see (mask (..., 1|Q, K) false for all
     of them) set to 0, so that a NaN or inf in the padding cannot reach the output as 0 * NaN.
     Values of grouped heads (``heads``) are seen by any query of their group's heads."""
-    g = heads.groups(ops, mask, values)
+    shape = ops.shape(mask)
+    g = 1 if len(shape) == 3 else heads.groups(ops, mask, values)
     if g > 1:
         mask = heads.stacked(ops, mask, g)
-    if ops.shape(mask)[-2] != 1:  # per-query visibility: a key is used if any query sees it
+        shape = ops.shape(mask)
+    if shape[-2] != 1:  # per-query visibility: a key is used if any query sees it
         mask = ops.any(mask, -2)
     return ops.where(ops.matrix_transpose(mask), values, 0.0)  # (..., 1, K) -> (..., K, 1)

@@ -24,6 +24,10 @@ NOT_OFFERED = "not offered by this backend"
 class Specialisations:
     """The optional half of ``adapter.Ops``: offers, each declining by default."""
 
+    # Below this many scores every offer of the steps ``dot_product_attend`` and
+    # ``masked_softmax`` declines, so ``specialise.run`` does not ask them (0: always ask).
+    specialised_from: int = 0
+
     # -- step ``dot_product_attend``: scores, masked softmax and pooling at once ---------------
 
     def attend_over_visible_keys(

@@ -4,13 +4,15 @@ the record of why the others declined.
 A specialisation is a method of the adapter (``multiattn.specialisations.Specialisations``)
 that takes a step's inputs and returns either a function of no arguments that does the
 step, or a short string saying why it declines.  ``run`` asks them in ``ORDER``; the core
-runs its own formula where every one declines.  ``primitives_only()`` switches them all off
+runs its own formula where every one declines, or where the scores are too few for any
+(``asks``: the adapter's ``specialised_from``).  ``primitives_only()`` switches them all off
 (the tests run the matrix so); ``explained()`` records each decision.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 import os
 from typing import Any, Iterator, List, Tuple
@@ -52,6 +54,17 @@ def run(ops: Any, step: str, *inputs: Any) -> Any:
         if result is not None:
             return result
     return None
+
+
+def asks(ops: Any, scores_shape: tuple) -> bool:
+    """Whether scores of this shape reach the adapter's ``specialised_from``, below which every
+    offer of ``dot_product_attend`` and ``masked_softmax`` declines (so the core asks none)."""
+    least = ops.specialised_from
+    if not least or not _state["on"] or math.prod(scores_shape) >= least:  # off: ``run`` records it
+        return True
+    if _state["log"] is not None:
+        _state["log"].append((ops.name, "*", "*", f"fewer than {least} scores: no offer asked"))
+    return False
 
 
 @contextlib.contextmanager

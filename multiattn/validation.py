@@ -581,6 +581,23 @@ def dot_product_call(
     causal: Any,
 ) -> Masks:
     """The arguments of dot-product attention checked; its masks."""
+    q_shape, k_shape, v_shape = ops.shape(queries), ops.shape(keys), ops.shape(values)
+    # the common call (3-D, lengths (B,) or none) in one expression: toy sizes are dispatch bound
+    if (
+        attention_mask is None
+        and causal is False
+        and len(q_shape) == len(k_shape) == len(v_shape) == 3
+        and q_shape[0] == k_shape[0] == v_shape[0] is not None
+        and k_shape[1] == v_shape[1] is not None
+        and q_shape[2] == k_shape[2] is not None
+        and q_shape[2] != 0
+        and queries.dtype == keys.dtype == values.dtype
+        and ops.dtype_kind(queries) == "f"
+    ):
+        if valid_lens is None:
+            return NO_MASKS
+        if ops.shape(valid_lens) == (q_shape[0],) and ops.dtype_kind(valid_lens) in "iuf":
+            return Masks(valid_lens)
     q_shape, k_shape, _ = check_attention_inputs(
         ops, queries, keys, values, valid_lens, same_width=True, heads=True
     )

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 
+def lower_thresholds(module, monkeypatch, **thresholds):
+    """Set an adapter module's thresholds (those it has); where its ops skip every offer below
+    the least of them (torch's ``specialised_from``), that follows."""
+    for constant, value in thresholds.items():
+        if hasattr(module, constant):
+            monkeypatch.setattr(module, constant, value)
+    if hasattr(module, "least_threshold"):
+        monkeypatch.setattr(type(module.ops), "specialised_from", module.least_threshold())
+
+
 def force_fused(bk, monkeypatch):
     """Fused kernels at every size, on the CPU too (the adapters' own thresholds)."""
-    for constant, value in (("FUSED_ON_CPU", True), ("FUSED_MIN_SCORES", 0)):
-        if hasattr(bk.module, constant):
-            monkeypatch.setattr(bk.module, constant, value)
+    lower_thresholds(bk.module, monkeypatch, FUSED_ON_CPU=True, FUSED_MIN_SCORES=0)
 
 
 def force_blocks(monkeypatch, block_size=2):

@@ -15,6 +15,7 @@ import pytest
 import multiattn
 
 from . import reference as ref
+from .forcing import lower_thresholds
 
 RNG = np.random.default_rng(3)
 Q, K, V = RNG.normal(size=(2, 3, 4)), RNG.normal(size=(2, 6, 4)), RNG.normal(size=(2, 6, 2))
@@ -77,7 +78,7 @@ def test_torch_compile(monkeypatch):
 
     from multiattn.backends import torch as m
 
-    monkeypatch.setattr(m, "FUSED_MIN_SCORES", 0)  # SDPA under compile, even this small
+    lower_thresholds(m, monkeypatch, FUSED_MIN_SCORES=0)  # SDPA under compile, even this small
 
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
     layer = m.AdditiveAttention(4, 4, 5).double().eval()
@@ -100,7 +101,7 @@ def test_torch_sdpa_only_above_its_size_threshold(monkeypatch):
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     args = [torch.tensor(x) for x in (Q, K, V)] + [torch.tensor(LENS)]
     for threshold, runs in ((m.FUSED_MIN_SCORES, False), (Q.shape[0] * Q.shape[1] * K.shape[1], True)):
-        monkeypatch.setattr(m, "FUSED_MIN_SCORES", threshold)
+        lower_thresholds(m, monkeypatch, FUSED_MIN_SCORES=threshold)
         calls.clear()
         np.testing.assert_allclose(m.dot_product_attention(*args).numpy(), WANT_DOT, rtol=1e-10)
         assert bool(calls) == runs

@@ -12,7 +12,7 @@ from multiattn.adapter import Ops
 from multiattn.masks import Masks
 
 from . import reference as ref
-from .forcing import force_fused
+from .forcing import force_fused, lower_thresholds
 from .test_matrix import lengths
 from .tolerances import assert_close
 
@@ -101,8 +101,7 @@ def test_entry_points_equal_the_formula(bk, dtype, mask):
 @pytest.mark.parametrize("mask", ["1d", "2d"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, monkeypatch):
-    if hasattr(bk.module, "SMALL_ELEMENTS"):  # torch: in the scores' memory at every size
-        monkeypatch.setattr(bk.module, "SMALL_ELEMENTS", 0)
+    lower_thresholds(bk.module, monkeypatch, SMALL_ELEMENTS=0)  # torch: in the scores' memory at every size
     t, a, lens, lens_t = _case(bk, dtype, mask, seed=1)
     if bk.name != "mxnet" or dtype != "float32":  # a NaN row: NaN where visible, 0 where hidden
         a["X"] = a["X"].copy()
@@ -122,8 +121,7 @@ def test_masked_softmax_in_the_scores_memory(bk, dtype, mask, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_padding_written_directly(bk, dtype, poisoned, monkeypatch):
     ops = bk.module.ops
-    if hasattr(bk.module, "SLICE_MIN_SEQUENCE_ELEMENTS"):  # torch: slices at every size
-        monkeypatch.setattr(bk.module, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
+    lower_thresholds(bk.module, monkeypatch, SLICE_MIN_SEQUENCE_ELEMENTS=0)  # torch: slices at every size
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=2)
     values = a["v"].copy()
     host = [ref.valid_count(n, K) for n in lens]
@@ -283,8 +281,7 @@ def test_every_specialisation_takes_the_masks(bk, dtype, kind, heads, monkeypatc
     has one) and the entry points, with boolean masks and causality, against the core's
     formula and the reference."""
     force_fused(bk, monkeypatch)
-    if hasattr(bk.module, "SMALL_ELEMENTS"):  # torch: in the scores' memory at every size
-        monkeypatch.setattr(bk.module, "SMALL_ELEMENTS", 0)
+    lower_thresholds(bk.module, monkeypatch, SMALL_ELEMENTS=0)  # torch: in the scores' memory at every size
     ops = bk.module.ops
     rng = np.random.default_rng(6)
     lead = (B, 2) if heads else (B,)

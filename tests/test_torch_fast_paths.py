@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from . import reference as ref
+from .forcing import lower_thresholds
 from .tolerances import tolerance
 
 pytestmark = pytest.mark.backend("torch")
@@ -31,8 +32,8 @@ def taken(monkeypatch):
         answers.append(not isinstance(offer, str))
         return offer
 
-    monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 0)
-    monkeypatch.setattr(m, "SMALL_ELEMENTS", 0)  # and the softmax writes into the scores
+    # slices, and the softmax writes into the scores
+    lower_thresholds(m, monkeypatch, SLICE_MIN_SEQUENCE_ELEMENTS=0, SMALL_ELEMENTS=0)
     monkeypatch.setattr(m.TorchOps, "masked_softmax_writing_padding", spy)
     return answers
 
@@ -122,7 +123,7 @@ def test_rows_without_a_finite_visible_score_match_the_masked_path(taken, monkey
     args = _no_finite_visible_score(poison, seed=13)
     sliced = [t.numpy() for t in m.dot_product_attention(*args, return_weights=True)]
     assert taken and all(taken)
-    monkeypatch.setattr(m, "SLICE_MIN_SEQUENCE_ELEMENTS", 1 << 40)
+    lower_thresholds(m, monkeypatch, SLICE_MIN_SEQUENCE_ELEMENTS=1 << 40)
     masked = [t.numpy() for t in m.dot_product_attention(*args, return_weights=True)]
     assert taken[-1] is False  # the second call took the masked path
     for a, b in zip(sliced, masked):
@@ -349,7 +350,7 @@ def visible(monkeypatch):
         calls.append((list(lengths), need_weights))
         return real(self, queries, keys, values, lengths, scale, need_weights)
 
-    monkeypatch.setattr(m, "VISIBLE_KEYS_MIN_SEQUENCE_SCORES", 0)
+    lower_thresholds(m, monkeypatch, VISIBLE_KEYS_MIN_SEQUENCE_SCORES=0)
     monkeypatch.setattr(m, "VISIBLE_KEYS_MAX_SHARE", 1.0)
     monkeypatch.setattr(m.TorchOps, "_attend_visible_keys", spy)
     return calls
@@ -723,3 +724,48 @@ def test_grouped_heads_past_the_budget_by_sdpa_match_the_reference(monkeypatch, 
     assert_gradients_close(
         harness("torch"), {n: t.grad.numpy() for n, t in zip(want, tensors)}, want, "float64"
     )
+
+
+def test_small_lengths_masks_kept_by_value_follow_lengths_changed_in_place():
+    """A small call's lengths mask is kept by the lengths' values and reused: lengths changed in
+    place between calls (through a numpy array sharing their memory: no version bump) give the
+    new lengths' answer, and the kept mask is never written (float64 reference)."""
+    import torch
+
+    m = _module()
+    rng = np.random.default_rng(11)
+    q, k, v = (rng.normal(size=s) for s in ((2, 3, 4), (2, 6, 4), (2, 6, 5)))
+    held = np.array([2, 6])
+    lens = torch.from_numpy(held)
+    for want_lens in ([2, 6], [6, 1], [0, 3], [2, 6]):
+        held[:] = want_lens  # the same tensor, new values
+        with torch.no_grad():
+            out, weights = m.dot_product_attention(*_tensors("float64", q, k, v), lens, return_weights=True)
+        want, want_w = ref.dot_product_attention(q, k, v, np.array(want_lens))
+        np.testing.assert_allclose(weights.numpy(), want_w, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-12, atol=1e-12)
+    for (n_keys, _, *kept_lens), mask in m._LENGTH_MASKS.items():  # each still its lengths' mask
+        want_mask = np.arange(n_keys) < np.array(kept_lens)[:, None, None]
+        np.testing.assert_array_equal(mask.numpy(), want_mask)
+
+
+def test_below_specialised_from_every_offer_declines():
+    """``TorchOps.specialised_from`` is the least of its offers' thresholds: scores just below
+    it make every offer of the two steps it gates decline, so not asking them changes nothing."""
+    import torch
+
+    from multiattn import specialise
+    from multiattn.masks import Masks
+
+    m = _module()
+    assert m.TorchOps.specialised_from == m.least_threshold() > 1
+    n_keys = m.TorchOps.specialised_from - 1  # one query: that many scores
+    q, k, v = (torch.randn(1, rows, 8) for rows in (1, n_keys, n_keys))
+    for masks in (Masks(torch.tensor([n_keys // 4])), Masks()):
+        for need_weights in (True, False):
+            for name in specialise.ORDER["dot_product_attend"]:
+                offer = getattr(m.ops, name)(q, k, v, masks, 0.5, None, need_weights)
+                assert isinstance(offer, str), name
+        for name in specialise.ORDER["masked_softmax"]:
+            assert isinstance(getattr(m.ops, name)(torch.randn(1, 1, n_keys), v, masks, True), str), name
+    assert not specialise.asks(m.ops, (1, 1, n_keys)) and specialise.asks(m.ops, (1, 1, n_keys + 1))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from typing import Any, Optional
 
 import numpy as np
@@ -38,8 +39,10 @@ class TorchOps(Ops):
     # the w_v product stay in it (the block size measured best: benchmarks/RESULTS.md)
     feature_block_elements = l2_cache_bytes() // 4
 
-    def shape(self, x):
-        return x.shape  # a torch.Size, which is a tuple
+    shape = staticmethod(operator.attrgetter("shape"))  # a torch.Size (a tuple); no Python frame
+
+    # below it every offer declines (``least_threshold``, set after the thresholds below)
+    specialised_from = 0
 
     dtype_kind = dtype_kind_by_dtype(_kind)  # the checks read it on every call
 
@@ -97,9 +100,14 @@ class TorchOps(Ops):
 
     def safe_softmax(self, x):
         # the formula, -inf a cached tensor: torch wraps a Python float anew on every call
-        shown = x != _constant(-math.inf, x)
-        weights = self.softmax(torch.where(shown, x, _constant(_LOWEST[x.dtype], x)))
-        return torch.where(shown, weights, _constant(0.0, x))
+        minus_inf = _constant(-math.inf, x)
+        if torch.is_grad_enabled() and (x.requires_grad or _transformed(x)):
+            shown = x != minus_inf
+            weights = self.softmax(torch.where(shown, x, _constant(_LOWEST[x.dtype], x)))
+            return torch.where(shown, weights, _constant(0.0, x))
+        # no backward to guard from a row of NaN (all -inf): fewer passes, 0 written in place
+        weights = self.softmax(x) if x.dtype in _HALF else torch.softmax(x, -1)
+        return weights.masked_fill_(x == minus_inf, 0.0)
 
     def _softmax_owned(self, x):
         # The weights take the scores' memory: no new (B, Q, K) tensor to page in.  CPU only
@@ -124,6 +132,21 @@ class TorchOps(Ops):
         return self._softmax_owned(x).masked_fill_(hidden, 0.0)
 
     def length_mask(self, x, lens, axis=-1):
+        n_keys = x.shape[axis]
+        if (
+            x.is_cpu
+            and lens.is_cpu
+            and lens.dim() == 1
+            and lens.shape[0] * n_keys <= LENGTH_MASKS_MAX_ELEMENTS
+            and not (_transformed(lens) or torch.compiler.is_compiling())
+        ):  # a small mask made once per lengths (a model's layers share them): two ops fewer a call
+            key = (n_keys, lens.dtype, *lens.tolist())
+            mask = _LENGTH_MASKS.get(key)
+            if mask is None:
+                if len(_LENGTH_MASKS) > 256:
+                    _LENGTH_MASKS.clear()
+                mask = _LENGTH_MASKS[key] = _positions(n_keys, None) < lens.view(-1, 1, 1)
+            return mask
         if x.is_cpu:  # is_cpu first: reading .device builds a torch.device, costly at toy sizes
             device = None
             if not lens.is_cpu:
@@ -133,7 +156,7 @@ class TorchOps(Ops):
             if lens.device != device:
                 lens = lens.to(device)
         per_row = lens.view(-1, 1, 1) if lens.dim() == 1 else lens.unsqueeze(-1)
-        return _positions(x.shape[axis], device) < per_row
+        return _positions(n_keys, device) < per_row
 
     def causal_mask(self, n_queries, n_keys, like):
         key = ("causal", n_queries, n_keys, None if like.is_cpu else like.device)
@@ -539,6 +562,9 @@ def _sum_shape(a: torch.Tensor, b: torch.Tensor) -> Optional[tuple]:
 
 
 _POSITIONS: dict = {}
+# (keys, dtype, *lengths) -> the (B, 1, K) mask; at most 256 of at most this many elements
+_LENGTH_MASKS: dict = {}
+LENGTH_MASKS_MAX_ELEMENTS = 1 << 12
 _LOWEST = {
     dtype: torch.finfo(dtype).min for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
@@ -556,6 +582,15 @@ def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
     return tensor
 
 
+def least_threshold() -> int:
+    """The fewest scores at which an offer of ``dot_product_attend`` or ``masked_softmax`` may
+    run: ``TorchOps.specialised_from`` (tests that lower a threshold set it anew)."""
+    return min(
+        SMALL_ELEMENTS, SLICE_MIN_SEQUENCE_ELEMENTS, VISIBLE_KEYS_MIN_SEQUENCE_SCORES, FUSED_MIN_SCORES
+    )
+
+
+TorchOps.specialised_from = least_threshold()
 ops = TorchOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("torch")
