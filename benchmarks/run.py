@@ -1,7 +1,7 @@
 """Benchmark suite: multiattn against the textbook implementation and the bare floor.
 
     python benchmarks/run.py                                  # every installed backend but array_api
-    python benchmarks/run.py --backends torch --out benchmarks/RESULTS.md
+    python benchmarks/run.py --backends torch --out /tmp/torch.md   # the report in a file
     python benchmarks/run.py --python mxnet=.tox/mxnet/bin/python   # mxnet from its own env
     python benchmarks/run.py --backends torch --contended --runs 4 --min-time 3   # under load
     python benchmarks/run.py --sizes longseq --out /tmp/longseq.md   # N to 65536 in blocks (longseq.py)
@@ -413,7 +413,7 @@ def main() -> int:
         help="measure memory under glibc's default malloc (as users see it) instead of exact mappings",
     )
     parser.add_argument(
-        "--out", default=str(HERE / "RESULTS.md"), help="markdown table (default benchmarks/RESULTS.md)"
+        "--out", help="write the report (header and table) to this file; default: print the table only"
     )
     parser.add_argument(
         "--worker-timeout", type=float, help="seconds one worker process may take (default: no limit)"
@@ -493,10 +493,7 @@ def main() -> int:
         "multi-head call without weights (the framework's fused kernel where the adapter uses one on this\n"
         f"machine).  `multihead` is d2l 11.5 multi-head attention, {NUM_HEADS} heads, no biases.\n\n"
     )
-    Path(args.out).write_text(header + table + "\n")
-    print(table)
-    print(f"\nwritten to {args.out}", file=sys.stderr)
-    return 0
+    return _report(args.out, header + table + "\n", table)
 
 
 def _longseq(args: argparse.Namespace, pythons: dict, installed_backends) -> int:
@@ -523,11 +520,18 @@ def _longseq(args: argparse.Namespace, pythons: dict, installed_backends) -> int
     memory = "glibc's default malloc" if args.default_malloc else "every block over 64 KiB its own mapping"
     table = longseq.render(results, args.floor_max_gib)
     text = longseq.header(args, machine, describe_threads(), results, memory) + table + "\n"
-    Path(args.out).write_text(text)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    return _report(args.out, text, table)
+
+
+def _report(out: str | None, text: str, table: str) -> int:
+    """The table printed; the whole report written to out, where given (benchmarks/RESULTS.md
+    keeps each session's dated section, written by hand from these)."""
     print(table)
-    print(f"\nwritten to {args.out}", file=sys.stderr)
+    if out:
+        Path(out).write_text(text)
+        print(f"\nwritten to {out}", file=sys.stderr)
     return 0
 
 
