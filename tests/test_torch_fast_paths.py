@@ -769,3 +769,32 @@ def test_below_specialised_from_every_offer_declines():
         for name in specialise.ORDER["masked_softmax"]:
             assert isinstance(getattr(m.ops, name)(torch.randn(1, 1, n_keys), v, masks, True), str), name
     assert not specialise.asks(m.ops, (1, 1, n_keys)) and specialise.asks(m.ops, (1, 1, n_keys + 1))
+
+
+@pytest.mark.parametrize("masks", ["causal", "lengths"])
+def test_masks_kept_from_inference_mode_serve_autograd_afterwards(masks):
+    """The masks torch keeps between calls (causal, small lengths) made under
+    ``torch.inference_mode()`` are ordinary tensors: a later call with autograd may save them
+    for its backward (inference tensors may not be), and its gradients are the reference's."""
+    import torch
+
+    from .harness import harness
+    from .test_gradients import assert_gradients_close, central_differences
+
+    m = _module()
+    m._LENGTH_MASKS.clear()
+    m._POSITIONS.clear()
+    rng = np.random.default_rng(17)
+    inputs = {n: rng.normal(size=s) for n, s in (("q", (2, 3, 4)), ("k", (2, 5, 4)), ("v", (2, 5, 3)))}
+    cotangent = rng.normal(size=(2, 3, 3))
+    lens = np.array([2, 4])
+    kw = dict(causal=True) if masks == "causal" else dict(valid_lens=lens)
+    t_kw = dict(causal=True) if masks == "causal" else dict(valid_lens=torch.tensor(lens))
+    with torch.inference_mode():
+        m.dot_product_attention(*_tensors("float64", *inputs.values()), return_weights=True, **t_kw)
+    tensors = [t.requires_grad_(True) for t in _tensors("float64", *inputs.values())]
+    out, _ = m.dot_product_attention(*tensors, return_weights=True, **t_kw)
+    out.backward(torch.tensor(cotangent))
+    want = central_differences(lambda q, k, v: ref.dot_product_attention(q, k, v, **kw)[0], inputs, cotangent)
+    got = {n: t.grad.numpy() for n, t in zip(inputs, tensors)}
+    assert_gradients_close(harness("torch"), got, want, "float64")

@@ -145,7 +145,8 @@ class TorchOps(Ops):
             if mask is None:
                 if len(_LENGTH_MASKS) > 256:
                     _LENGTH_MASKS.clear()
-                mask = _LENGTH_MASKS[key] = _positions(n_keys, None) < lens.view(-1, 1, 1)
+                with torch.inference_mode(False):  # kept: never an inference tensor autograd may not save
+                    mask = _LENGTH_MASKS[key] = _positions(n_keys, None) < lens.view(-1, 1, 1)
             return mask
         if x.is_cpu:  # is_cpu first: reading .device builds a torch.device, costly at toy sizes
             device = None
@@ -164,8 +165,9 @@ class TorchOps(Ops):
         if mask is None:
             if len(_POSITIONS) > 256:
                 _POSITIONS.clear()
-            ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=like.device)
-            mask = _POSITIONS[key] = ones.tril()
+            with torch.inference_mode(False):  # kept: never an inference tensor autograd may not save
+                ones = torch.ones(n_queries, n_keys, dtype=torch.bool, device=like.device)
+                mask = _POSITIONS[key] = ones.tril()
         return mask
 
     def logical_and(self, a, b):
