@@ -1,33 +1,40 @@
 """Decoding over cached keys and values: ``KVCache`` holds them, contiguous or in pages, and
 ``cached_attention`` appends a step's keys and values and attends its queries over every
-position held: contiguous storage in one ``dot_product_attention`` call over the positions
-filled (its answer is that call's, bitwise), a paged cache page by page, each page attended
-with ``return_lse`` and the pages merged by their log-sum-exp (``blockwise.combine``:
-flash-decoding's split-K), never gathered into one array."""
+position held.
+
+Both layouts keep positions in splits of ``SPLIT`` (storage (splits, B, kv_heads, SPLIT,
+width)).  Attention computes each split's partial softmax (its maximum score, the sum of its
+weights and its weighted values) for all the splits of a block (the contiguous storage, or one
+page) in one batched product, then merges the splits by their log-sum-exp (flash-decoding's
+split-K).  A split is computed alike whatever the layout, the batch or the thread count: a
+paged cache whose pages hold a multiple of SPLIT positions gives the contiguous cache's answer
+bitwise, and no page is ever gathered into one array."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any, Iterator, List, Optional, Tuple
 
-from . import blockwise, mods
+from . import mods, validation
 from ._registry import framework_of, get_backend
+from .masks import Masks
 from .validation import dtype_name
 
 Tensor = Any
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8}
+SPLIT = 16  # positions per split: fixed, so that every layout computes the same partials
 
 
 class KVCache:
     """Keys (B, kv_heads, positions, head_dim) and values (..., value_dim, default head_dim) of
-    the positions so far, in the
-    backend, dtype and device of ``like``: contiguous, grown by doubling from ``capacity``
-    positions, or with ``page_size`` in pages of that many positions, one more when the last
-    is full.  ``append`` adds positions after the others; ``length``: the positions held;
-    ``nbytes``: the bytes of storage held.  On jax (whose arrays are values) ``append`` returns
-    a new cache and leaves this one as it was, so a step runs under ``jax.jit``: make the cache
-    with ``capacity=`` for every position the compiled steps will append (one compilation for
-    every length up to it); elsewhere it writes into this one and returns it."""
+    the positions so far, in the backend, dtype and device of ``like``: contiguous, grown by
+    doubling from ``capacity`` positions, or with ``page_size`` in pages of that many
+    positions, one more when the last is full.  ``append`` adds positions after the others;
+    ``length``: the positions held; ``nbytes``: the bytes of storage held.  On jax (whose
+    arrays are values) ``append`` returns a new cache and leaves this one as it was, so a step
+    runs under ``jax.jit``: make the cache with ``capacity=`` for every position the compiled
+    steps will append (one compilation for every length up to it); elsewhere it writes into
+    this one and returns it."""
 
     def __init__(
         self, batch: int, kv_heads: int, head_dim: int, *, like: Tensor, page_size: Optional[int] = None,
@@ -50,16 +57,18 @@ class KVCache:
             raise TypeError(f"like must have a floating dtype (the cache's), got {dtype_name(like)}")
         self.batch, self.kv_heads, self.head_dim, self.value_dim = batch, kv_heads, head_dim, value_dim
         self.page_size, self.dtype = page_size, dtype_name(like)
+        # a page of other sizes is one split (its answer then equals the contiguous one to rounding)
+        self.split = SPLIT if page_size is None or page_size % SPLIT == 0 else page_size
         self._like = self.ops.zeros((1,), like)  # dtype and device, without holding the caller's tensor
         self.length: Any = 0
         self.pages: List[Tuple[Tensor, Tensor]] = []  # contiguous: one "page" of the capacity
         if capacity and page_size is None:
-            self.pages.append(self._zeros(capacity))
+            self.pages.append(self._zeros(-(-capacity // SPLIT) * SPLIT))
 
     # -- storage ---------------------------------------------------------------------------------
 
     def _zeros(self, positions: int) -> Tuple[Tensor, Tensor]:
-        shape = (self.batch, self.kv_heads, positions)
+        shape = (positions // self.split, self.batch, self.kv_heads, self.split)
         return tuple(
             self.ops.zeros(shape + (width,), self._like) for width in (self.head_dim, self.value_dim)
         )
@@ -67,7 +76,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """The positions the storage holds, filled or not."""
-        return sum(self.ops.shape(k)[-2] for k, _ in self.pages)
+        return sum(self.ops.shape(k)[0] for k, _ in self.pages) * self.split
 
     @property
     def nbytes(self) -> int:
@@ -86,28 +95,33 @@ class KVCache:
         """The cache holding keys and values (B, kv_heads, n, head_dim) after its positions."""
         n = self._check(keys, values)
         cache = copy.copy(self) if self.ops.functional_updates else self
-        cache.pages, start, write = list(self.pages), _known(self.ops, self.length), self.ops.write_rows
+        cache.pages, start = list(self.pages), _known(self.ops, self.length)
         if not isinstance(start, int):  # traced (jax.jit): written where the length says
             if self.page_size is not None or not cache.pages:
                 raise ValueError(
                     "a cache appended to under a compiler needs its storage already: a contiguous "
                     "cache made with capacity= (a paged cache adds pages on the host)"
                 )
-            k, v = cache.pages[0]
-            cache.pages[0] = (write(k, start, keys), write(v, start, values))
+            for i in range(n):  # a position may start a split: one at a time
+                cache._write(start + i, keys[..., i : i + 1, :], values[..., i : i + 1, :])
         else:
             if start + n > cache.capacity:
                 cache._grow(start + n)
-            position = 0
-            for index, (k, v) in enumerate(cache.pages):  # the pages the positions fall in
-                size = self.ops.shape(k)[-2]
-                lo, hi = max(start, position), min(start + n, position + size)
-                if lo < hi:
-                    rows = [x if hi - lo == n else x[..., lo - start : hi - start, :] for x in (keys, values)]
-                    cache.pages[index] = (write(k, lo - position, rows[0]), write(v, lo - position, rows[1]))
-                position += size
+            at = start
+            while at < start + n:  # one write per split the positions fall in
+                stop = min(start + n, (at // self.split + 1) * self.split)
+                cache._write(at, *(x[..., at - start : stop - start, :] for x in (keys, values)))
+                at = stop
         cache.length = start + n
         return cache
+
+    def _write(self, position: Any, keys: Tensor, values: Tensor) -> None:
+        """Rows that fall in one split, written from ``position``."""
+        page, within = (0, position) if self.page_size is None else divmod(position, self.page_size)
+        split, offset = within // self.split, within % self.split
+        k, v = self.pages[page]
+        write = self.ops.write_rows
+        self.pages[page] = (write(k, split, offset, keys), write(v, split, offset, values))
 
     def _grow(self, needed: int) -> None:
         """Storage for ``needed`` positions: pages added, or the contiguous storage doubled."""
@@ -115,49 +129,46 @@ class KVCache:
             while self.capacity < needed:
                 self.pages.append(self._zeros(self.page_size))
             return
-        capacity = max(self.capacity * 2, needed, 16)
-        grown = self._zeros(capacity)
-        if self.pages:
-            old = self.pages[0]
-            grown = tuple(self.ops.write_rows(g, 0, o[..., : self.length, :]) for g, o in zip(grown, old))
-        self.pages = [grown]
+        capacity = max(self.capacity * 2, -(-needed // SPLIT) * SPLIT, 16)
+        more = self._zeros(capacity - self.capacity)
+        old = self.pages[0] if self.pages else None
+        self.pages = [more if old is None else tuple(self.ops.concat([o, m], 0) for o, m in zip(old, more))]
 
     def _check(self, keys: Tensor, values: Tensor) -> int:
         shapes = []
         for arg, x, width in (("keys", keys, self.head_dim), ("values", values, self.value_dim)):
-            if framework_of(x) != self.ops.name:
-                raise TypeError(f"{arg} must be a {self.ops.name} tensor (the cache's), got {type(x)}")
-            if dtype_name(x) != self.dtype:
-                raise TypeError(f"{arg} must be {self.dtype} (the cache's dtype), got {dtype_name(x)}")
-            shape = tuple(self.ops.shape(x))
-            want = (self.batch, self.kv_heads, "n", width)
-            if len(shape) != 4 or (shape[0], shape[1], "n", shape[3]) != want:
-                raise ValueError(
-                    f"{arg} must have shape {want} (batch, kv_heads, positions, width), got {shape}"
-                )
-            shapes.append(shape)
+            shapes.append(self._check_tensor(arg, x, self.kv_heads, width))
         if shapes[0][2] != shapes[1][2]:
             raise ValueError(
                 f"keys and values must hold as many positions, got {shapes[0][2]}, {shapes[1][2]}"
             )
         return shapes[0][2]
 
+    def _check_tensor(self, arg: str, x: Tensor, heads: Any, width: int) -> tuple:
+        if framework_of(x) != self.ops.name:
+            raise TypeError(f"{arg} must be a {self.ops.name} tensor (the cache's), got {type(x)}")
+        if dtype_name(x) != self.dtype:
+            raise TypeError(f"{arg} must be {self.dtype} (the cache's dtype), got {dtype_name(x)}")
+        shape = tuple(self.ops.shape(x))
+        want = (self.batch, heads, "n", width)
+        if len(shape) != 4 or (shape[0], heads if heads == "H" else shape[1], "n", shape[3]) != want:
+            raise ValueError(f"{arg} must have shape {want} (batch, heads, positions, width), got {shape}")
+        return shape
+
     # -- the blocks attention visits ------------------------------------------------------------
 
-    def blocks(self, length: Any) -> Iterator[Tuple[int, Tensor, Tensor, Any]]:
-        """(start, keys, values, lengths or None) of the stored positions below ``length``: the
-        contiguous storage as one block, a paged cache page by page; where length is traced,
-        all of the storage, with the positions filled per sequence ((B,) ints) to hide the rest."""
-        traced, position = not isinstance(length, int), 0
+    def blocks(self, length: Any) -> Iterator[Tuple[int, Tensor, Tensor]]:
+        """(first position, keys, values) of the storage's blocks of splits (splits, B, kv_heads,
+        split, width) holding positions below ``length``: the contiguous storage as one block,
+        a paged cache page by page; where length is traced, all of the storage."""
+        position, traced = 0, not isinstance(length, int)
         for k, v in self.pages:
+            splits = self.ops.shape(k)[0]
             if not traced and position >= length:
                 return
-            stop = self.ops.shape(k)[-2] if traced else min(self.ops.shape(k)[-2], length - position)
-            lens = None
-            if traced:  # (B,) copies of the positions filled in this block
-                lens = self.ops.positions(0, self.batch, k) * 0 + (length - position)
-            yield position, k[..., :stop, :], v[..., :stop, :], lens
-            position += self.ops.shape(k)[-2]
+            used = splits if traced else min(splits, -(-(length - position) // self.split))
+            yield position, (k if used == splits else k[:used]), (v if used == splits else v[:used])
+            position += splits * self.split
 
 
 def _known(ops: Any, length: Any) -> Any:
@@ -178,27 +189,104 @@ def cached_attention(
 ) -> Tuple[Tensor, KVCache]:  # fmt: skip
     """(out, cache): k_new, v_new (B, kv_heads, n, head_dim) appended to the cache, then q
     (B, H, n, head_dim), its rows at positions old length .. old length + n - 1, attends over
-    every cached key (H a multiple of kv_heads): ``dot_product_attention`` over the keys held
-    with ``query_offset`` = the old length.  A prefill (n > 1) and a decoding step alike."""
+    every cached key (H a multiple of kv_heads; query head h reads kv head h // (H / kv_heads)):
+    ``dot_product_attention`` over the keys held with ``query_offset`` = the old length, to
+    rounding.  A prefill (n > 1) and a decoding step alike."""
     if not isinstance(cache, KVCache):
         raise TypeError(f"cache must be a multiattn.KVCache, got {type(cache).__name__}")
-    dot_product_attention = get_backend(cache.ops.name).dot_product_attention  # the checks, the paths
-    old = _known(cache.ops, cache.length)
-    cache = cache.append(k_new, v_new)
-    blocks = list(cache.blocks(cache.length))
-
-    def attend(start: int, k: Tensor, v: Tensor, lens: Any, lse: bool) -> Any:
-        shifted = {}  # the mods see absolute positions: keys from start, queries from old
-        if mask_mod is not None:
-            shifted["mask_mod"] = mods.at_offset(mask_mod, start, start)
-        if score_mod is not None:
-            shifted["score_mod"] = mods.score_at_offset(score_mod, start, start)
-        return dot_product_attention(
-            q, k, v, lens, causal=causal, scale=scale, return_lse=lse, query_offset=old - start, **shifted
+    ops = cache.ops
+    validation.check_causal(causal)
+    scale = validation.check_scale(scale)
+    score_mod, masks = validation.with_mods(score_mod, mask_mod, Masks(causal=causal))
+    n = cache._check(k_new, v_new)
+    batch, heads, _, width = cache._check_tensor("q", q, "H", cache.head_dim)
+    if heads % cache.kv_heads or cache.ops.shape(q)[2] != n:
+        raise ValueError(
+            f"q must have shape ({batch}, H, {n}, {width}) with H a multiple of kv_heads={cache.kv_heads} "
+            f"and as many positions as k_new, got {tuple(ops.shape(q))}"
         )
+    old = _known(ops, cache.length)
+    cache = cache.append(k_new, v_new)
+    groups = heads // cache.kv_heads
+    q = q * (width**-0.5 if scale is None else scale)
+    q = ops.reshape(q, (1, batch, cache.kv_heads, groups * n, width))  # each group's heads as rows
+    call = Call(ops, q, batch, heads, groups, n, old, cache.length, masks, score_mod)
+    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(cache.length)]
+    top, sums, outs = parts[0] if len(parts) == 1 else (ops.concat(x, 0) for x in zip(*parts))
+    weight = ops.exp(top - ops.max(top, 0))  # the lse merge of every split's partial softmax
+    total = ops.sum(sums * weight, 0)  # 0 where every key is hidden (out is then 0: the row rule)
+    out = ops.sum(outs * weight, 0) / ops.select(total > 0, total, 1.0)
+    return ops.cast(ops.reshape(out, (batch, heads, n, cache.value_dim)), q), cache
 
-    if len(blocks) == 1:
-        out = attend(*blocks[0], lse=False)
-    else:
-        out, _ = blockwise.combine(cache.ops, [attend(*block, lse=True) for block in blocks])
-    return out, cache
+
+class Call:
+    """One ``cached_attention`` call: q (1, B, kv_heads, G n, d), scaled, its rows at positions
+    from old; the masks and score function; ``partials`` of each block of splits."""
+
+    def __init__(self, ops, q, batch, heads, groups, n, old, length, masks, score_mod) -> None:
+        self.ops, self.q, self.batch, self.heads, self.groups, self.n = ops, q, batch, heads, groups, n
+        self.old, self.length, self.masks, self.score_mod = old, length, masks, score_mod
+
+    def partials(self, at: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """(maximum score, sum of weights, weighted values) (splits, B, kv_heads, G n, 1 | dv) of
+        each split of keys k and values v (splits, B, kv_heads, S, .) from position at."""
+        ops, q = self.ops, self.q
+        splits, _, kv_heads, size, _ = ops.shape(k)
+        scores = ops.widen(ops.matmul_t(ops.broadcast_to(q, (splits,) + tuple(ops.shape(q))[1:]), k))
+        six = (splits, self.batch, kv_heads, self.groups, self.n, size)  # the heads' rows apart
+        scores = ops.reshape(scores, six)
+        if self.score_mod is not None:
+            scores = self._score_mod(scores, at)
+        visible = self._visible(at, splits, size, scores)
+        if visible is not None:
+            scores = ops.where(visible, scores, ops.lowest(scores))
+        top = ops.max(scores, -1)
+        p = ops.exp(scores - top)
+        if visible is not None:
+            p = ops.where(visible, p, 0.0)
+        five = (splits, self.batch, kv_heads, self.groups * self.n)
+        top, p = ops.reshape(top, five + (1,)), ops.reshape(p, five + (size,))
+        return top, ops.sum(p, -1), ops.widen(ops.matmul(ops.cast(p, v), v))
+
+    def _visible(self, at: int, splits: int, size: int, like: Tensor) -> Optional[Tensor]:
+        """Which keys of the block each row sees (6-D, broadcastable), None where it sees all."""
+        ops, found = self.ops, []
+        keys = ops.reshape(ops.positions(0, splits * size, like) + at, (splits, 1, 1, 1, 1, size))
+        if not isinstance(self.length, int) or at + splits * size > self.length:
+            found.append(keys < self.length)  # the storage past the positions held
+        if self.masks.causal and self.n > 1:  # a single row sees every key held
+            rows = ops.positions(0, self.n, like) + self.old
+            found.append(keys <= ops.reshape(rows, (1, 1, 1, 1, self.n, 1)))
+        if self.masks.mask_mod is not None:
+            block = self._block(at, splits * size)
+            mask = self.masks.mask_mod.values(ops, like, self.heads, block, self.batch)
+            found.append(self._in_splits(mask, splits, size))
+        visible = found[0] if found else None
+        for more in found[1:]:
+            visible = ops.logical_and(visible, more)
+        return visible
+
+    def _block(self, at: int, keys: int) -> Any:
+        if isinstance(self.old, int):
+            return (self.old, self.old + self.n, at, at + keys)
+        return mods.TracedBlock(self.old, at, (self.n, keys))
+
+    def _in_splits(self, x: Tensor, splits: int, size: int) -> Tensor:
+        """x (b, h, n, keys) (b, h, n or keys: those or 1) as (splits, b, kv_heads or 1, G or 1, n, S)."""
+        ops = self.ops
+        b, h, n, keys = ops.shape(x)
+        if keys == 1:
+            x = ops.expand_dims(x, 0)
+        else:  # the keys' splits to the front: (splits, b, h, n, S)
+            x = ops.matrix_transpose(ops.row_windows(ops.matrix_transpose(x), 0, size, size, splits))
+        heads = (self.heads // self.groups, self.groups) if h == self.heads else (1, 1)
+        return ops.reshape(x, (ops.shape(x)[0], b) + heads + (n, ops.shape(x)[-1]))
+
+    def _score_mod(self, scores: Tensor, at: int) -> Tensor:
+        """score_mod on scores (splits, B, kv_heads, G, n, S), in the layout it takes (B, H, n, keys)."""
+        ops = self.ops
+        splits, size = ops.shape(scores)[0], ops.shape(scores)[-1]
+        heads = ops.reshape(scores, (splits, self.batch, self.heads, self.n, size))
+        flat = ops.matrix_transpose(ops.joined_rows(ops.matrix_transpose(heads)))  # (B, H, n, keys)
+        flat = mods.apply_score_mod(ops, self.score_mod, flat, self._block(at, splits * size), self.batch)
+        return self._in_splits(flat, splits, size)

@@ -183,16 +183,23 @@ class Primitives:
     # Whether values are updated by returning new ones (jax): a cache's append returns a new cache.
     functional_updates: bool = False
 
-    def write_rows(self, x: Tensor, start: Any, rows: Tensor) -> Tensor:
-        """x with its entries start .. start + n - 1 along axis -2 set to rows (..., n, .): in
-        place where the framework's arrays take slice assignment (x is a cache's own storage),
-        else a new array."""
+    def write_rows(self, x: Tensor, split: Any, start: Any, rows: Tensor) -> Tensor:
+        """x (splits, ..., S, w) with x[split, ..., start : start + n, :] = rows (..., n, w) (a
+        cache's storage): in place where the framework's arrays take item assignment, else a
+        new array."""
         n = self.shape(rows)[-2]
         try:
-            x[..., start : start + n, :] = rows
+            x[split, ..., start : start + n, :] = rows
             return x
         except TypeError:  # immutable arrays (tensorflow): a new one
-            return self.concat([x[..., :start, :], rows, x[..., start + n :, :]], -2)
+            row = x[split]
+            row = self.concat([row[..., :start, :], rows, row[..., start + n :, :]], -2)
+            return self.concat([x[:split], self.expand_dims(row, 0), x[split + 1 :]], 0)
+
+    def broadcast_to(self, x: Tensor, shape: Shape) -> Tensor:
+        """x broadcast to shape, as an operand whose every batch element a batched product
+        computes alike (a view where the framework has them)."""
+        return x + self.zeros(shape, x)
 
     def safe_softmax(self, x: Tensor) -> Tensor:
         """``softmax`` with the row rule: a score of -inf gets weight exactly 0, and a row whose

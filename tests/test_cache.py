@@ -67,17 +67,26 @@ def test_with_a_window_and_alibi(bk):
         assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, PREFILL + 2 : PREFILL + 3], "float32")
 
 
-def test_contiguous_is_the_call_over_the_keys_held_bitwise_and_paged_its_rounding(bk):
-    """A contiguous cache's step is dot_product_attention over the keys held with query_offset,
-    bitwise; a paged one (pages of 16) merges its pages by lse: equal to float32 rounding."""
+def test_paged_equals_contiguous_bitwise_whatever_the_batch(bk):
+    """Both layouts attend splits of 16 positions merged by lse: pages of 16 give the contiguous
+    answer bitwise in float32, at every step, and so does each sequence decoded alone (the
+    answer does not depend on the batch); pages of 5 (one split each) equal it to rounding;
+    all of them dot_product_attention's with query_offset to rounding."""
     q, k, v = _full(bk, "float32", seed=2)
     paged, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=16))
     contiguous, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32"))
-    for t, (a, b) in enumerate(zip(paged[1:], contiguous[1:]), start=PREFILL):
-        args = [bk.tensor(x, "float32") for x in (q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1])]
-        direct = multiattn.dot_product_attention(*args, causal=True, query_offset=t)
-        np.testing.assert_array_equal(b, np.asarray(bk.numpy(direct), dtype=np.float64))
-        assert_close(bk, bk.tensor(a, "float32"), b, "float32")
+    odd, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=5))
+    cache = multiattn.KVCache(1, KV, D, like=bk.tensor(np.zeros(1), "float32"), value_dim=2)
+    alone, _ = _decode(bk, "float32", q[1:], k[1:], v[1:], cache)
+    for t, (a, b, c, one) in enumerate(zip(paged, contiguous, odd, alone)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(one, b[1:])
+        lo = 0 if t == 0 else PREFILL + t - 1
+        hi = PREFILL + t
+        args = [bk.tensor(x, "float32") for x in (q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi])]
+        direct = multiattn.dot_product_attention(*args, causal=True, query_offset=lo)
+        assert_close(bk, bk.tensor(b, "float32"), np.asarray(bk.numpy(direct), dtype=np.float64), "float32")
+        assert_close(bk, bk.tensor(c, "float32"), b, "float32")
 
 
 def test_a_paged_cache_holds_its_pages_only(bk):

@@ -71,8 +71,9 @@ class JaxOps(NumpyLikeOps):
 
     functional_updates = True
 
-    def write_rows(self, x, start, rows):
-        return jax.lax.dynamic_update_slice_in_dim(x, rows, start, axis=x.ndim - 2)
+    def write_rows(self, x, split, start, rows):
+        at = (split,) + (0,) * (x.ndim - 3) + (start, 0)
+        return jax.lax.dynamic_update_slice(x, rows[None], tuple(jnp.asarray(i, jnp.int32) for i in at))
 
     def rows_at(self, x, start, size, axis=-2):
         return jax.lax.dynamic_slice_in_dim(x, start, size, axis=axis % x.ndim)
@@ -163,7 +164,7 @@ FUSED_ON_CPU = False
 ops = JaxOps()
 
 # a cache passes through jax.jit as its arrays and its length (a traced scalar inside)
-_CACHE_FIELDS = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype")
+_CACHE_FIELDS = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype", "split")
 jax.tree_util.register_pytree_node(
     KVCache,
     lambda c: (

@@ -38,6 +38,9 @@ class NumpyLikeOps(Ops):
     def matmul(self, a, b):
         return self.xp.matmul(a, b)
 
+    def broadcast_to(self, x, shape):
+        return self.xp.broadcast_to(x, shape)
+
     def matmul_t(self, a, b):
         return self.xp.matmul(a, self.xp.swapaxes(b, -1, -2))
 

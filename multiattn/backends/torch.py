@@ -55,6 +55,9 @@ class TorchOps(Ops):
     def expand_dims(self, x, axis):
         return x.unsqueeze(axis)
 
+    def broadcast_to(self, x, shape):
+        return x.expand(shape)
+
     def matrix_transpose(self, x):
         return x.mT.contiguous()  # no copy where a swapped axis has size 1
 
