@@ -167,7 +167,7 @@ class KVCache:
             if not traced and position >= length:
                 return
             used = splits if traced else min(splits, -(-(length - position) // self.split))
-            yield position, (k if used == splits else k[:used]), (v if used == splits else v[:used])
+            yield position, (k if used == splits else k[:used, ...]), (v if used == splits else v[:used, ...])
             position += splits * self.split
 
 

@@ -192,9 +192,9 @@ class Primitives:
             x[split, ..., start : start + n, :] = rows
             return x
         except TypeError:  # immutable arrays (tensorflow): a new one
-            row = x[split]
+            row = x[split, ...]
             row = self.concat([row[..., :start, :], rows, row[..., start + n :, :]], -2)
-            return self.concat([x[:split], self.expand_dims(row, 0), x[split + 1 :]], 0)
+            return self.concat([x[:split, ...], self.expand_dims(row, 0), x[split + 1 :, ...]], 0)
 
     def broadcast_to(self, x: Tensor, shape: Shape) -> Tensor:
         """x broadcast to shape, as an operand whose every batch element a batched product

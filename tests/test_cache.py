@@ -74,7 +74,7 @@ def test_paged_equals_contiguous_bitwise_whatever_the_batch(bk):
     all of them dot_product_attention's with query_offset to rounding."""
     q, k, v = _full(bk, "float32", seed=2)
     paged, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=16))
-    contiguous, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32"))
+    contiguous, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", capacity=64))  # splits unused
     odd, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=5))
     cache = multiattn.KVCache(1, KV, D, like=bk.tensor(np.zeros(1), "float32"), value_dim=2)
     alone, _ = _decode(bk, "float32", q[1:], k[1:], v[1:], cache)
