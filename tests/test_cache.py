@@ -101,23 +101,31 @@ def test_a_paged_cache_holds_its_pages_only(bk):
     assert contiguous.capacity == 1024  # doubled from 16
 
 
-def test_a_decoding_step_compiles_once_under_jax_jit(bk):
+@pytest.mark.parametrize("masks", ["causal", "window and alibi"])
+def test_a_decoding_step_compiles_once_under_jax_jit(bk, masks):
     if bk.name != "jax":
         pytest.skip("jax.jit; the eager backends run the steps above")
     import jax
 
     q, k, v = _full(bk, "float32", seed=3)
-    want, _ = ref.heads_attention(q, k, v, causal=True)
+    kw: dict = {}
+    if masks == "causal":
+        want, _ = ref.heads_attention(q, k, v, causal=True)
+    else:
+        window = lambda b, h, i, j: 0 <= i - j < 4  # noqa: E731
+        alibi = lambda s, b, h, i, j: s + SLOPES[h] * (j - i)  # noqa: E731
+        want, _ = ref.heads_attention(q, k, v, mask_fn=window, score_fn=alibi)
+        kw = dict(causal=False, mask_mod=mods.sliding_window(4), score_mod=mods.alibi(SLOPES))
     traces = []
 
     @jax.jit
     def step(q, k, v, cache):
         traces.append(1)
-        return multiattn.cached_attention(q, k, v, cache)
+        return multiattn.cached_attention(q, k, v, cache, **kw)
 
     cache = _cache(bk, "float32", capacity=32)
     first = [bk.tensor(x[:, :, :PREFILL], "float32") for x in (q, k, v)]
-    _, cache = multiattn.cached_attention(*first, cache)  # the prefill, eagerly
+    _, cache = multiattn.cached_attention(*first, cache, **kw)  # the prefill, eagerly
     for t in range(PREFILL, T):
         out, cache = step(*(bk.tensor(x[:, :, t : t + 1], "float32") for x in (q, k, v)), cache)
         assert_close(bk, out, want[:, :, t : t + 1], "float32")
