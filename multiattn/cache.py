@@ -65,6 +65,12 @@ class KVCache:
         if capacity and page_size is None:
             self.pages.append(self._zeros(-(-capacity // SPLIT) * SPLIT))
 
+    def __getstate__(self) -> dict:  # the backend by name: copies and pickles share its ops
+        return {**self.__dict__, "ops": self.ops.name}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, ops=get_backend(state["ops"]).ops)
+
     # -- storage ---------------------------------------------------------------------------------
 
     def _zeros(self, positions: int) -> Tuple[Tensor, Tensor]:

@@ -133,6 +133,26 @@ def test_a_decoding_step_compiles_once_under_jax_jit(bk, masks):
     assert int(cache.length) == T
 
 
+def test_a_cache_copies_and_pickles_with_its_backend(bk):
+    """copy.deepcopy gives an independent cache; pickle.loads(pickle.dumps(cache)) the same
+    positions, on the same backend."""
+    import copy
+    import pickle
+
+    q, k, v = _full(bk, "float32", seed=4)
+    args = [bk.tensor(x[:, :, :PREFILL], "float32") for x in (q, k, v)]
+    _, cache = multiattn.cached_attention(*args, _cache(bk, "float32"))
+    twin = copy.deepcopy(cache)
+    assert twin.ops is cache.ops and twin.length == cache.length == PREFILL
+    step = [bk.tensor(x[:, :, PREFILL : PREFILL + 1], "float32") for x in (q, k, v)]
+    want, grown = multiattn.cached_attention(*step, twin)
+    assert grown.length == PREFILL + 1 and cache.length == PREFILL  # the original untouched
+    loaded = pickle.loads(pickle.dumps(cache))
+    assert loaded.ops is cache.ops and loaded.length == PREFILL
+    got, _ = multiattn.cached_attention(*step, loaded)
+    np.testing.assert_array_equal(bk.numpy(got), bk.numpy(want))
+
+
 @pytest.mark.parametrize("bad, error, words", [
     ((B, KV, 1, D + 1), ValueError, r"keys must have shape \(2, 2, 'n', 3\)"),
     ((B, KV + 1, 1, D), ValueError, "keys must have shape"),
