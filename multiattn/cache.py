@@ -153,7 +153,7 @@ class KVCache:
     def _check_tensor(self, arg: str, x: Tensor, heads: Any, width: int) -> tuple:
         if framework_of(x) != self.ops.name:
             raise TypeError(f"{arg} must be a {self.ops.name} tensor (the cache's), got {type(x)}")
-        if dtype_name(x) != self.dtype:
+        if getattr(x, "dtype", None) != self._like.dtype and dtype_name(x) != self.dtype:
             raise TypeError(f"{arg} must be {self.dtype} (the cache's dtype), got {dtype_name(x)}")
         shape = tuple(self.ops.shape(x))
         want = (self.batch, heads, "n", width)
