@@ -163,17 +163,22 @@ class KVCache:
 
     # -- the blocks attention visits ------------------------------------------------------------
 
-    def blocks(self, length: Any) -> Iterator[Tuple[int, Tensor, Tensor]]:
+    def blocks(self, length: Any, first: int = 0) -> Iterator[Tuple[int, Tensor, Tensor]]:
         """(first position, keys, values) of the storage's blocks of splits (splits, B, kv_heads,
-        split, width) holding positions below ``length``: the contiguous storage as one block,
-        a paged cache page by page; where length is traced, all of the storage."""
+        split, width) holding positions in [first, length): the contiguous storage as one block,
+        a paged cache page by page (both from the split that holds ``first``); where length is
+        traced, all of the storage."""
         position, traced = 0, not isinstance(length, int)
         for k, v in self.pages:
             splits = self.ops.shape(k)[0]
             if not traced and position >= length:
                 return
             used = splits if traced else min(splits, -(-(length - position) // self.split))
-            yield position, (k if used == splits else k[:used, ...]), (v if used == splits else v[:used, ...])
+            skip = 0 if traced else max(0, (first - position) // self.split)
+            if skip < used:
+                whole = skip == 0 and used == splits
+                at = position + skip * self.split
+                yield at, (k if whole else k[skip:used, ...]), (v if whole else v[skip:used, ...])
             position += splits * self.split
 
 
@@ -217,7 +222,7 @@ def cached_attention(
     q = q * (width**-0.5 if scale is None else scale)
     q = ops.reshape(q, (1, batch, cache.kv_heads, groups * n, width))  # each group's heads as rows
     call = Call(ops, q, batch, heads, groups, n, old, cache.length, masks, score_mod)
-    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(cache.length)]
+    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(cache.length, call.first_key())]
     top, sums, outs = parts[0] if len(parts) == 1 else (ops.concat(x, 0) for x in zip(*parts))
     weight = ops.exp(top - ops.max(top, 0))  # the lse merge of every split's partial softmax
     total = ops.sum(sums * weight, 0)  # 0 where every key is hidden (out is then 0: the row rule)
@@ -232,6 +237,14 @@ class Call:
     def __init__(self, ops, q, batch, heads, groups, n, old, length, masks, score_mod) -> None:
         self.ops, self.q, self.batch, self.heads, self.groups, self.n = ops, q, batch, heads, groups, n
         self.old, self.length, self.masks, self.score_mod = old, length, masks, score_mod
+
+    def first_key(self) -> int:
+        """The first key any row may see, where the mask function says (a window's): the
+        splits before it are not visited (at least the last split is)."""
+        found = None
+        if self.masks.mask_mod is not None and isinstance(self.old, int):
+            found = self.masks.mask_mod.key_range(self.old, self.old + self.n)
+        return 0 if found is None else max(0, min(found[0], self.length - 1))
 
     def partials(self, at: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         """(maximum score, sum of weights, weighted values) (splits, B, kv_heads, G n, 1 | dv) of

@@ -55,16 +55,33 @@ def test_every_step_gives_the_rows_of_the_full_causal_call(bk, dtype, layout):
     assert cache.capacity == (32 if layout == "paged" else 32)  # 2 pages of 16; doubled from 16
 
 
-def test_with_a_window_and_alibi(bk):
+def test_with_a_window_and_alibi(bk, monkeypatch):
+    """A window and ALiBi at absolute positions, every step the reference's row; pages of 16
+    the contiguous answer bitwise; the splits wholly before the window are not visited."""
     q, k, v = _full(bk, "float32", seed=1)
     window = lambda b, h, i, j: 0 <= i - j < 4  # noqa: E731
     alibi = lambda s, b, h, i, j: s + SLOPES[h] * (j - i)  # noqa: E731
     want, _ = ref.heads_attention(q, k, v, mask_fn=window, score_fn=alibi)
     kw = dict(causal=False, mask_mod=mods.sliding_window(4), score_mod=mods.alibi(SLOPES))
-    for page_size in (None, 4):
-        outs, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=page_size), steps=3, **kw)
+    visited, partials = [], multiattn.cache.Call.partials
+
+    def recorded(call, at, k, v):  # the first position of each block of splits attended
+        visited.append(at)
+        return partials(call, at, k, v)
+
+    monkeypatch.setattr(multiattn.cache.Call, "partials", recorded)
+    found = {}
+    for page_size in (None, 4, 16):
+        visited.clear()
+        outs, _ = _decode(bk, "float32", q, k, v, _cache(bk, "float32", page_size=page_size), **kw)
         assert_close(bk, bk.tensor(outs[0], "float32"), want[:, :, :PREFILL], "float32")
-        assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, PREFILL + 2 : PREFILL + 3], "float32")
+        for t, got in enumerate(outs[1:], start=PREFILL):
+            assert_close(bk, bk.tensor(got, "float32"), want[:, :, t : t + 1], "float32")
+        found[page_size] = outs
+        if page_size is None:  # the last step, at 24, sees keys 21..24: the split 16..31 alone
+            assert visited[-1] == 16
+    for a, b in zip(found[16], found[None]):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_paged_equals_contiguous_bitwise_whatever_the_batch(bk):
