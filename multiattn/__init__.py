@@ -47,6 +47,7 @@ __all__ = [
     "create_block_mask",
     "dot_product_attention",
     "explained",
+    "flex_attention",
     "get_backend",
     "masked_softmax",
     "mods",
@@ -70,13 +71,19 @@ def masked_softmax(
     mask_mod: Any = None,
     **unknown: Any,
 ) -> Any:
-    """Softmax over X's last axis, hidden positions exactly 0, on X's framework: positions
-    >= valid_lens, where attention_mask is False (True: may attend), j > i when causal, and
-    where mask_mod(b, h, q_idx, kv_idx) is False; score_mod(score, b, h, q_idx, kv_idx) first,
-    on X (``multiattn.mods``)."""
-    module = loaded_backend_of(X, valid_lens, attention_mask) or get_backend(
-        framework_of_call(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
-    )
+    """Softmax over X's last axis (d2l's ``masked_softmax``), on X's framework, with hidden
+    positions exactly 0 and a row that sees nothing all 0 (never NaN).
+
+    X: scores (B, Q, K) or (B, H, Q, K), a floating tensor; the result has its shape and dtype.
+    valid_lens: (B,) one length per sequence, or (B, Q) one per query row; key j is hidden
+    where j >= the length (ints, or floats as d2l allows).
+    attention_mask: booleans broadcastable to X, True where the query may attend (torch
+    SDPA's polarity; Hugging Face's 0/1 mask as ``mask.bool()``).
+    causal: hide key j from query i where j > i (top-left: row i sees keys 0..i).
+    mask_mod(b, h, q_idx, kv_idx) -> booleans, True: may attend; ANDed with the others.
+    score_mod(score, b, h, q_idx, kv_idx) -> scores: applied to X first (``multiattn.mods``).
+    """
+    module = _backend_of(X=X, valid_lens=valid_lens, attention_mask=attention_mask)
     return module.masked_softmax(
         X,
         valid_lens,
@@ -106,27 +113,34 @@ def dot_product_attention(
     query_offset: Any = None,
     **unknown: Any,
 ) -> Any:
-    """softmax(scale Q K^T) V with masking (scale: 1 / sqrt(d) by default), on the framework
-    of the arguments.  queries (B, Q, d) or, torch SDPA's layout, (B, H, Q, d); keys and
-    values (B, K, .) or (B, H_kv, K, .), each key/value head shared by H / H_kv query heads
-    (grouped-query attention: query head i uses key/value head i // (H / H_kv)).
+    """softmax(scale Q K^T) V with masking (d2l's scaled dot-product attention), on the
+    framework of the arguments; a query that sees no key gets 0 (never NaN).
 
-    With ``return_weights=True`` returns ``(output, attention_weights)``; with
-    ``return_lse=True`` also (last) lse (B, Q), the log of the sum of exp of each row's
-    visible scores (-inf where none is), for ``combine_attention``.  Without the weights the
-    scores are computed in blocks of ``block_size`` (None: automatically, where they would
-    not fit the budget; ``multiattn.blockwise``).  ``score_mod(score, b, h, q_idx, kv_idx)``
-    on the scaled scores and ``mask_mod(b, h, q_idx, kv_idx)`` ANDed with the masks: your
-    own or ready-made ones (``multiattn.mods``).  ``block_mask``: all of the masks as one value
-    made once by ``create_block_mask`` and reused, instead of the mask arguments.
-    ``query_offset``: query row i sits at position query_offset + i (an int, or one per
-    sequence), after the keys of a cache: ``causal`` hides key j iff j > query_offset + i, and
-    the mods see those positions (docs/decoding.md).
+    queries: (B, Q, d) or, torch SDPA's layout, (B, H, Q, d).
+    keys, values: (B, K, d), (B, K, v) or (B, H_kv, K, .), H_kv dividing H: query head i
+    uses key/value head i // (H / H_kv) (grouped-query attention, never repeated in memory).
+    valid_lens: (B,) one length per sequence, or (B, Q) one per query row: key j is hidden
+    where j >= the length.
+    attention_mask: booleans broadcastable to the scores (B, [1|H,] Q, K), True where the
+    query may attend (torch SDPA's polarity; Hugging Face's 0/1 mask as ``mask.bool()``).
+    causal: hide key j from query i where j > i + query_offset (top-left aligned: with fewer
+    queries than keys and no offset, row i sees keys 0..i; a decoding step's queries after
+    K - Q cached keys: ``query_offset=K - Q``).
+    return_weights: also return the weights (B, [H,] Q, K); return_lse: also (last) lse
+    (B, [H,] Q), the natural log of the sum of exp of each row's visible scores (-inf where
+    none is), for ``combine_attention``.
+    block_size: without the weights, the scores in blocks of this many queries and keys
+    (None: automatically, where they would not fit; linear memory).
+    score_mod(score, b, h, q_idx, kv_idx): on the scaled scores; mask_mod(b, h, q_idx,
+    kv_idx): True where the query may attend, ANDed with the masks (``multiattn.mods``).
+    scale: of Q K^T (None: 1 / sqrt(d)).
+    block_mask: every mask as one value (``create_block_mask``), instead of the mask
+    arguments.
+    query_offset: query row i sits at position query_offset + i (an int, or (B,) ints), after
+    the keys of a cache: causal and the mods see those positions (docs/decoding.md).
     """
-    module = loaded_backend_of(queries, keys, values, valid_lens, attention_mask) or get_backend(
-        framework_of_call(
-            queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
-        )
+    module = _backend_of(
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
     return module.dot_product_attention(
         queries, keys, values, valid_lens, attention_mask=attention_mask, causal=causal,
@@ -153,14 +167,19 @@ def additive_attention(
     mask_mod: Any = None,
     **unknown: Any,
 ) -> Any:
-    """Additive attention with weight tensors in the canonical layout, on their framework:
-    W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,).
-    block_size, score_mod and mask_mod: as in ``dot_product_attention``."""
-    name = framework_of_call(
+    """Additive attention (d2l 11.3): a(q, k) = w_v^T tanh(W_q q + W_k k), on the framework of
+    the arguments; a query that sees no key gets 0.
+
+    queries (B, Q, query_size), keys (B, K, key_size), values (B, K, v).
+    W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,): the
+    canonical layout (d2l's y = W x).
+    valid_lens, attention_mask (True: may attend), causal (top-left), return_weights,
+    block_size, score_mod, mask_mod: as in ``dot_product_attention``."""
+    module = _backend_of(
         queries=queries, keys=keys, values=values, valid_lens=valid_lens, W_q=W_q, W_k=W_k, w_v=w_v,
         attention_mask=attention_mask,
     )  # fmt: skip
-    return get_backend(name).additive_attention(
+    return module.additive_attention(
         queries, keys, values, valid_lens, W_q=W_q, W_k=W_k, w_v=w_v, attention_mask=attention_mask,
         causal=causal, return_weights=return_weights, block_size=block_size, score_mod=score_mod,
         mask_mod=mask_mod,
@@ -188,17 +207,20 @@ def multi_head_attention(
     query_offset: Any = None,
     **unknown: Any,
 ) -> Any:
-    """Multi-head attention (d2l 11.5) on the framework of the arguments, with the canonical
-    weights W_q (h, query_size), W_k (h, key_size), W_v (h, value_size), W_o (h, h) and,
-    optionally, b_q, b_k, b_v, b_o (h,).  With ``return_weights=True`` returns
-    ``(output (B, Q, h), attention_weights (B, num_heads, Q, K))``.  ``num_kv_heads``:
-    grouped-query attention (W_k, W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
-    ``scale``: of each head's q k^T (None: 1 / sqrt(h / num_heads)).  ``block_mask`` and
-    ``query_offset``: as in ``dot_product_attention``."""
-    module = loaded_backend_of(queries, keys, values, valid_lens, attention_mask) or get_backend(
-        framework_of_call(
-            queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
-        )
+    """Multi-head attention (d2l 11.5) on the framework of the arguments.
+
+    queries (B, Q, query_size), keys (B, K, key_size), values (B, K, value_size).
+    weights: a mapping of the canonical weights W_q (h, query_size), W_k (h, key_size),
+    W_v (h, value_size), W_o (h, h) and, optionally, b_q, b_k, b_v, b_o (h,) (y = W x + b).
+    num_heads: h / num_heads features per head; num_kv_heads: grouped-query attention (W_k,
+    W_v, b_k, b_v of num_kv_heads * h / num_heads rows).
+    valid_lens ((B,) or (B, Q)), attention_mask (True: may attend), causal (top-left,
+    j > i + query_offset hidden), block_size, score_mod, mask_mod, block_mask, query_offset:
+    as in ``dot_product_attention``; scale: of each head's q k^T (None: 1 / sqrt(h /
+    num_heads)).  With ``return_weights=True`` returns ``(output (B, Q, h), weights (B,
+    num_heads, Q, K))``, else the output."""
+    module = _backend_of(
+        queries=queries, keys=keys, values=values, valid_lens=valid_lens, attention_mask=attention_mask
     )
     return module.multi_head_attention(
         queries, keys, values, valid_lens, weights=weights, num_heads=num_heads,
@@ -211,29 +233,76 @@ def multi_head_attention(
 
 def create_block_mask(
     mask_mod: Any = None,
+    B: Any = None,
+    H: Any = None,
+    Q_LEN: Any = None,
+    KV_LEN: Any = None,
+    device: Any = None,
+    BLOCK_SIZE: Any = None,
     *,
-    batch: int,
-    q_len: int,
-    kv_len: int,
+    batch: Any = None,
+    q_len: Any = None,
+    kv_len: Any = None,
     causal: bool = False,
     valid_lens: Any = None,
     attention_mask: Any = None,
     block_size: Any = None,
-    like: Any,
+    like: Any = None,
 ) -> Any:
-    """Every mask of calls with ``batch`` sequences of ``q_len`` queries over ``kv_len`` keys
-    as one value, for ``block_mask=`` (FlexAttention's ``create_block_mask``): made once,
-    reused by every call and layer; the calls give what passing the same masks gives.  The
-    masks are normalised (causal beside a mask function that implies it, lengths that hide
-    no key: dropped) and, per block size, which key blocks each query block visits is
-    computed once.  ``like``: a tensor of the framework (and device) of the calls;
-    ``block_size``: the calls' (None: automatic)."""
+    """Every mask of calls with ``B`` sequences (``batch=``) of ``Q_LEN`` queries (``q_len=``)
+    over ``KV_LEN`` keys (``kv_len=``) as one value, for ``block_mask=`` of
+    ``dot_product_attention``, ``multi_head_attention`` and ``flex_attention``: made once,
+    reused by every call and layer; a call gives what passing the same masks gives.
+
+    FlexAttention's form works as it is: ``create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN)``
+    (B None: any batch; H None or a head count: the calls' heads; ``device`` is ignored, the
+    tensors of the calls place the mask; ``BLOCK_SIZE``: an int, or (q, kv) of one size).
+    ``mask_mod(b, h, q_idx, kv_idx)``: True where the query may attend (``multiattn.mods``);
+    ``causal``, ``valid_lens`` and ``attention_mask`` (True: may attend) as in
+    ``dot_product_attention``.  ``like``: a tensor of the calls' framework; without it and
+    without mask tensors the mask binds to the framework of its first call.  The masks are
+    normalised (causal beside a mask function that implies it, lengths that hide no key:
+    dropped) and, per block size, which key blocks each query block visits is computed once."""
     from . import block_mask
 
-    name = framework_of_call(like=like, valid_lens=valid_lens, attention_mask=attention_mask)
-    return block_mask.create(
-        get_backend(name).ops, mask_mod, batch, q_len, kv_len, causal, valid_lens, attention_mask, block_size
+    sizes = block_mask.flex_sizes(B, H, Q_LEN, KV_LEN, BLOCK_SIZE, batch, q_len, kv_len, block_size)
+    ops = None
+    if like is not None or valid_lens is not None or attention_mask is not None:
+        ops = _backend_of(like=like, valid_lens=valid_lens, attention_mask=attention_mask).ops
+    return block_mask.create(ops, mask_mod, *sizes, causal, valid_lens, attention_mask)
+
+
+def flex_attention(
+    query: Any,
+    key: Any,
+    value: Any,
+    score_mod: Any = None,
+    block_mask: Any = None,
+    scale: Any = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    kernel_options: Any = None,
+    *,
+    return_aux: Any = None,
+) -> Any:
+    """FlexAttention's call (``torch.nn.attention.flex_attention.flex_attention``) on every
+    framework: query (B, H, Q, E), key (B, H_kv, K, E), value (B, H_kv, K, Ev) of one
+    framework; ``score_mod(score, b, h, q_idx, kv_idx)`` on the scaled scores;
+    ``block_mask`` from ``create_block_mask`` (None: every key visible); ``scale`` (None:
+    1 / sqrt(E)); ``enable_gqa``: H_kv may divide H (query head h uses key/value head
+    h // (H / H_kv)).  Returns the output (B, H, Q, Ev), and with ``return_lse=True`` (or
+    ``return_aux`` asking for lse) also the natural-log lse (B, H, Q).  A query that sees
+    no key gets output 0 and lse -inf.  ``kernel_options`` is accepted and ignored (it
+    tunes torch's kernel)."""
+    from . import block_mask as flex
+
+    want_lse = flex.check_flex_call(query, key, value, enable_gqa, return_lse, kernel_options, return_aux)
+    result = dot_product_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, return_lse=want_lse
     )
+    if return_aux is not None:
+        return (result[0], flex.AuxOutput(lse=result[1])) if want_lse else (result, flex.AuxOutput())
+    return result
 
 
 def combine_attention(parts: Any) -> Any:
@@ -252,7 +321,22 @@ def combine_attention(parts: Any) -> Any:
         ) from None
     if not tensors:
         raise ValueError("parts must hold at least one (output, lse) pair, got none")
-    return functional.combine_attention(get_backend(framework_of_call(**tensors)).ops, parts)
+    return functional.combine_attention(_backend_of(**tensors).ops, parts)
+
+
+def _backend_of(**tensors: Any) -> ModuleType:
+    """The backend module of the tensors' framework (TypeError where they mix frameworks)."""
+    first = next(iter(tensors.values()))
+    if type(first).__module__.startswith("torch"):
+        # a static import before the registry is read: torch.compile traces it (not importlib)
+        # on a first call in a fresh process; at later calls it costs a lookup
+        from .backends import torch as _  # noqa: F401
+    module = loaded_backend_of(*tensors.values())
+    return module if module is not None else get_backend(framework_of_call(**tensors))
+
+
+def __dir__() -> list:
+    return sorted(__all__ + ["__version__"])
 
 
 def _selected_module() -> ModuleType:

@@ -7,6 +7,7 @@ asked for by name, and a tensor's framework is read off its type's module path
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib
@@ -14,7 +15,7 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # name -> (import name of the framework, pip extra, module prefixes of its tensor types).
 # Adding a backend: one line here, one module in multiattn/backends/, one tox env.
@@ -73,6 +74,21 @@ def install_hint(name: str) -> str:
     return pip_install(BACKENDS[name][1])
 
 
+@contextlib.contextmanager
+def framework_imports(name: str) -> Iterator[None]:
+    """Around a backend's or layer module's imports of its framework: a framework that is not
+    installed raises ``BackendImportError`` naming the install, however the module is imported."""
+    try:
+        yield
+    except ModuleNotFoundError as err:
+        if (err.name or "multiattn").startswith("multiattn"):
+            raise
+        raise BackendImportError(
+            f"multiattn backend {name!r} needs the {(err.name or name).split('.')[0]!r} package, "
+            f"which is not installed; install it with: {install_hint(name)}"
+        ) from err
+
+
 def selected_backend() -> str:
     """The name in MULTIATTN_BACKEND (default 'numpy'), checked against the registry."""
     name = os.environ.get(ENV_VAR, "").strip() or DEFAULT_BACKEND
@@ -85,23 +101,15 @@ def get_backend(name: str) -> ModuleType:
     if module is not None:
         return module
     _check_name(name)
-    framework = BACKENDS[name][0]
-    install = install_hint(name)
     try:
-        module = importlib.import_module(f"multiattn.backends.{name}")
-    except ModuleNotFoundError as err:
-        if (err.name or "multiattn").startswith("multiattn"):
-            raise
-        raise BackendImportError(
-            f"multiattn backend {name!r} needs the {(err.name or framework).split('.')[0]!r} package, "
-            f"which is not installed; install it with: {install}"
-        ) from err
+        with framework_imports(name):
+            module = importlib.import_module(f"multiattn.backends.{name}")
     except BackendImportError:
         raise
     except ImportError as err:
         raise BackendImportError(
-            f"multiattn backend {name!r}: importing {framework!r} failed ({err}); "
-            f"reinstall it with: {install}"
+            f"multiattn backend {name!r}: importing {BACKENDS[name][0]!r} failed ({err}); "
+            f"reinstall it with: {install_hint(name)}"
         ) from err
     _loaded[name] = module
     return module

@@ -38,10 +38,14 @@ SCORES_BUDGET_BYTES = int(os.environ.get("MULTIATTN_SCORES_BUDGET_BYTES", 64 << 
 MIN_BLOCK, MAX_BLOCK = 128, 1024
 
 
+# read once, at import: a compiler (torch.compile) cannot trace the read of the OS's files
+L2_CACHE_BYTES = _machine.l2_cache_bytes()
+
+
 def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = None) -> int:
     """The side of a square block whose scores, for all batch_rows (batch x heads) at once,
     fit one core's L2 cache: a power of two in [MIN_BLOCK, MAX_BLOCK]."""
-    cache = _machine.l2_cache_bytes() if cache_bytes is None else cache_bytes
+    cache = L2_CACHE_BYTES if cache_bytes is None else cache_bytes
     side = math.isqrt(max(cache // (max(itemsize, 4) * max(batch_rows, 1)), 1))
     side = 1 << max(side.bit_length() - 1, 0)
     return min(max(side, MIN_BLOCK), MAX_BLOCK)
@@ -115,6 +119,8 @@ class Plan:
         self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int, like: Tensor = None
     ) -> None:
         self.ops, self.masks, self.block, self._like = ops, masks, block, like
+        # traced by torch.compile: a cache of Python state read or filled here is guarded on (a recompile)
+        self.traced = like is not None and ops.unrolls_loops(like)
         lead = (1,) if like is None else tuple(ops.shape(like)[:-2])  # (B,) or (B, H)
         self.batch, self.heads = lead[0], (lead[1] if len(lead) == 2 else None)
         self._classify = None if masks.mask_mod is None else masks.mask_mod.classifier(ops)
@@ -176,7 +182,7 @@ class Plan:
     def shown(self, q0: int, q1: int) -> List[Tuple[int, Tuple[int, int], str, Tuple[str, ...]]]:
         """(index, (k0, k1), kind, parts) of each key block the queries [q0, q1) do not skip;
         blocks outside ``key_range`` known hidden without examining them."""
-        kept = None if self.masks.block_mask is None else self.masks.block_mask.shown
+        kept = None if self.masks.block_mask is None or self.traced else self.masks.block_mask.shown
         key = (self.block, self.heads, q0, q1)  # a mask function may depend on the head
         if kept is not None and key in kept:  # a block mask's, computed before
             return kept[key]
@@ -390,13 +396,13 @@ def attention_in_blocks(
                     halves = plan.halves(q0, q1, k0, k1) if jitted_steps else None
                     kind = kind if halves is None else (HALVES, halves, kind == PARTIAL)
             if score is None:
-                step = _step(ops, kind, compile_steps)
+                step = _step(ops, kind, compile_steps, cached=not plan.traced)
             else:  # the caller's scores, told where the block is
                 step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
             row.append((kind, step, tensors))
         if row and compile_steps:  # the row's last step finishes it, compiled with it
             kind, _, tensors = row[-1]
-            row[-1] = (kind, _step(ops, kind, True, finishing=True), tensors)
+            row[-1] = (kind, _step(ops, kind, True, finishing=True, cached=not plan.traced), tensors)
         length = _program_length(ops, q_block, row) if row and compile_rows else 0
         if row and len(row) <= length:  # a short row: several in one program, within its length
             if len(pending) == ROWS_PER_PROGRAM or sum(len(r) for _, r in pending) + len(row) > length:
@@ -547,15 +553,20 @@ def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:
     return ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0), m + ops.log(total)
 
 
-def _step(ops: Ops, kind: Any, compiled: bool = False, finishing: bool = False) -> Callable[..., tuple]:
+def _step(
+    ops: Ops, kind: Any, compiled: bool = False, finishing: bool = False, cached: bool = True
+) -> Callable[..., tuple]:
     """The dot-product step of a kind, through the framework's compiler if compiled, made once
-    per process; finishing: a row's last, returning (output, lse) (``_finish`` compiled with it)."""
+    per process (made anew where not cached: ``Plan.traced``); finishing: a row's last,
+    returning (output, lse) (``_finish`` compiled with it)."""
     key = (id(ops), kind, compiled, finishing)
-    found = _STEPS.get(key)
+    found = _STEPS.get(key) if cached else None
     if found is None or found[0] is not ops:
         step = _made(ops, kind, functools.partial(heads.matmul_t, ops))
         step = functools.partial(_finishing, ops, step) if finishing else step
-        found = _STEPS[key] = (ops, ops.compiled(step) if compiled else step)
+        found = (ops, ops.compiled(step) if compiled else step)
+        if cached:
+            _STEPS[key] = found
     return found[1]
 
 

@@ -8,7 +8,11 @@ weights and its weighted values) for all the splits of a block (the contiguous s
 page) in one batched product, then merges the splits by their log-sum-exp (flash-decoding's
 split-K).  A split is computed alike whatever the layout, the batch or the thread count: a
 paged cache whose pages hold a multiple of SPLIT positions gives the contiguous cache's answer
-bitwise, and no page is ever gathered into one array."""
+bitwise, and eagerly no page is ever gathered into one array (a compiled step reads the pages
+as one block: a compiler's product of other shapes may round otherwise).
+
+Under a compiler (jax.jit, tf.function, torch.compile) the storage is fixed: a step past it
+stores nothing and gives NaN, never a wrong number (``KVCache``)."""
 
 from __future__ import annotations
 
@@ -29,26 +33,40 @@ class KVCache:
     """Keys (B, kv_heads, positions, head_dim) and values (..., value_dim, default head_dim) of
     the positions so far, in the backend, dtype and device of ``like``: contiguous, grown by
     doubling from ``capacity`` positions, or with ``page_size`` in pages of that many
-    positions, one more when the last is full.  ``append`` adds positions after the others;
-    ``length``: the positions held; ``nbytes``: the bytes of storage held.  On jax (whose
-    arrays are values) ``append`` returns a new cache and leaves this one as it was, so a step
-    runs under ``jax.jit``: make the cache with ``capacity=`` for every position the compiled
-    steps will append (one compilation for every length up to it); elsewhere it writes into
-    this one and returns it."""
+    positions, one more when the last is full (``num_pages``: that many made up front, a fixed
+    pool for a compiler).  ``append`` adds positions after the others; ``length``: the
+    positions held; ``capacity``: the positions the storage holds; ``nbytes``: its bytes.  On
+    jax (whose arrays are values) ``append`` returns a new cache and leaves this one as it was;
+    elsewhere it writes into this one and returns it.
+
+    Under a compiler (``jax.jit``, ``tf.function``: the cache passes through as its tensors
+    and its length; ``torch.compile``: a torch cache keeps its length as a 0-D tensor on the
+    CPU, an input to the graph, and a compiled step returns a new cache) the storage cannot
+    grow: make the cache with ``capacity=`` (contiguous) or ``num_pages=`` (paged) for every
+    position the compiled steps will append (one compilation for every length up to it).  A
+    compiled step that appends past the storage stores nothing and gives NaN in every row of
+    its output, and so does every compiled step after it (the length, past the capacity, says
+    so); appending to such a cache eagerly raises.  Eagerly the storage grows."""
 
     def __init__(
         self, batch: int, kv_heads: int, head_dim: int, *, like: Tensor, page_size: Optional[int] = None,
-        capacity: int = 0, value_dim: Optional[int] = None,
+        capacity: int = 0, value_dim: Optional[int] = None, num_pages: int = 0,
     ) -> None:  # fmt: skip
         value_dim = head_dim if value_dim is None else value_dim
         sizes = dict(
-            batch=batch, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim, capacity=capacity
-        )
+            batch=batch, kv_heads=kv_heads, head_dim=head_dim, value_dim=value_dim, capacity=capacity,
+            num_pages=num_pages,
+        )  # fmt: skip
         for arg, value in sizes.items():
-            if not _is_int(value) or value < (arg != "capacity"):
-                raise ValueError(f"{arg} must be an int >= {int(arg != 'capacity')}, got {value!r}")
+            least = int(arg not in ("capacity", "num_pages"))
+            if not _is_int(value) or value < least:
+                raise ValueError(f"{arg} must be an int >= {least}, got {value!r}")
         if page_size is not None and (not _is_int(page_size) or page_size < 1):
             raise ValueError(f"page_size must be an int >= 1 or None (contiguous), got {page_size!r}")
+        if num_pages and page_size is None:
+            raise ValueError(
+                f"num_pages is for a paged cache (page_size=), got num_pages={num_pages} without it"
+            )
         name = framework_of(like)
         if name is None:
             raise TypeError(f"like must be a tensor of one of the backends, got {type(like).__name__}")
@@ -60,16 +78,71 @@ class KVCache:
         # a page of other sizes is one split (its answer then equals the contiguous one to rounding)
         self.split = SPLIT if page_size is None or page_size % SPLIT == 0 else page_size
         self._like = self.ops.zeros((1,), like)  # dtype and device, without holding the caller's tensor
-        self.length: Any = 0
+        self.length = 0
         self.pages: List[Tuple[Tensor, Tensor]] = []  # contiguous: one "page" of the capacity
         if capacity and page_size is None:
             self.pages.append(self._zeros(-(-capacity // SPLIT) * SPLIT))
+        self.pages.extend(self._zeros(page_size) for _ in range(num_pages))
+
+    @property
+    def length(self) -> Any:
+        """The positions held: an int where the host can read it, else (traced) a 0-D tensor."""
+        # the int set eagerly, cheap to read; never read while torch.compile traces (a guard on it)
+        if not self.ops.unrolls_loops(self._like) and self._host_length is not None:
+            return self._host_length
+        return _known(self.ops, self._length)
+
+    @length.setter
+    def length(self, value: Any) -> None:
+        # torch.compile specialises on a Python int it reads (a recompile every step): a 0-D tensor there
+        if isinstance(value, int):
+            self._host_length, self._length = value, self.ops.host_count(value)
+        else:
+            self._host_length, self._length = None, value
+
+    # -- through a compiler: the static fields and the tensors ------------------------------------
+
+    _STATIC = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype", "split")
+
+    def _flatten(self) -> Tuple[tuple, tuple]:
+        """(static fields, tensors): the cache as a compiler traces it (the backends register
+        it: jax's pytrees; tf.nest by ``__tf_flatten__``), its length a tensor (one trace for
+        every length)."""
+        length = self._length  # as it is: a jax array's value is not read back
+        if isinstance(length, int):
+            length = self.ops.constant(length, self._like)
+        flat = tuple(x for page in self.pages for x in page)
+        return tuple(getattr(self, f) for f in self._STATIC), flat + (length, self._like)
+
+    @classmethod
+    def _unflatten(cls, fields: tuple, tensors: tuple) -> "KVCache":
+        cache = object.__new__(cls)
+        cache.__dict__.update(zip(cls._STATIC, fields))
+        *flat, cache.length, cache._like = tensors
+        cache.pages = list(zip(flat[0::2], flat[1::2]))
+        return cache
+
+    def __tf_flatten__(self) -> Tuple[tuple, tuple]:  # tf.nest's protocol: tf.function takes and returns it
+        return self._flatten()
+
+    @classmethod
+    def __tf_unflatten__(cls, fields: tuple, tensors: tuple) -> "KVCache":
+        return cls._unflatten(fields, tensors)
+
+    def __copy__(self) -> "KVCache":  # not through __getstate__: torch.compile traces this
+        cache = object.__new__(type(self))
+        cache.__dict__.update(self.__dict__)
+        return cache
 
     def __getstate__(self) -> dict:  # the backend by name: copies and pickles share its ops
         return {**self.__dict__, "ops": self.ops.name}
 
     def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        length = state.pop("length", None)  # pickled before the length was a property
         self.__dict__.update(state, ops=get_backend(state["ops"]).ops)
+        if length is not None:
+            self.length = length
 
     # -- storage ---------------------------------------------------------------------------------
 
@@ -100,17 +173,25 @@ class KVCache:
     def append(self, keys: Tensor, values: Tensor) -> "KVCache":
         """The cache holding keys and values (B, kv_heads, n, head_dim) after its positions."""
         n = self._check(keys, values)
-        cache = copy.copy(self) if self.ops.functional_updates else self
-        cache.pages, start = list(self.pages), _known(self.ops, self.length)
-        if not isinstance(start, int):  # traced (jax.jit): written where the length says
-            if self.page_size is not None or not cache.pages:
+        start = self.length
+        # a compiler's input stays as it was (tf.function refuses a mutated argument)
+        cache = copy.copy(self) if self.ops.functional_updates or not isinstance(start, int) else self
+        cache.pages = list(self.pages)
+        if not isinstance(start, int):  # traced (jax.jit, tf.function): into the storage it has
+            if not cache.pages:
                 raise ValueError(
-                    "a cache appended to under a compiler needs its storage already: a contiguous "
-                    "cache made with capacity= (a paged cache adds pages on the host)"
+                    "a cache appended to under a compiler needs its storage already: make it with "
+                    "capacity= (contiguous) or num_pages= (paged), got capacity=0"
                 )
             for i in range(n):  # a position may start a split: one at a time
-                cache._write(start + i, keys[..., i : i + 1, :], values[..., i : i + 1, :])
+                cache._write_traced(start + i, keys[..., i : i + 1, :], values[..., i : i + 1, :])
         else:
+            if start > cache.capacity:  # only a compiled step appends past the storage
+                raise ValueError(
+                    f"cache length {start} exceeds its capacity {cache.capacity}: compiled steps "
+                    "appended past the storage (their outputs were NaN); make the cache with "
+                    "capacity= or num_pages= for every position"
+                )
             if start + n > cache.capacity:
                 cache._grow(start + n)
             at = start
@@ -120,6 +201,23 @@ class KVCache:
                 at = stop
         cache.length = start + n
         return cache
+
+    def _write_traced(self, position: Any, keys: Tensor, values: Tensor) -> None:
+        """One position (a traced scalar) written into the page that holds it; into none where
+        it is past the storage (the rows written there keep what they held)."""
+        ops = self.ops
+        size = self.capacity if self.page_size is None else self.page_size  # positions a page holds
+        for page, (k, v) in enumerate(self.pages):
+            within = position - page * size
+            inside = ops.logical_and(within >= 0, within < size)
+            within = ops.select(inside, within, 0)  # in range: a compiler's slices may not clamp
+            split, offset = within // self.split, within % self.split
+            written = []
+            for x, rows in ((k, keys), (v, values)):
+                held = ops.rows_at(ops.rows_at(x, split, 1, axis=0), offset, 1)[0]
+                x_new = ops.write_rows(x, split, offset, ops.select(inside, rows, held))
+                written.append(ops.reshape(x_new, ops.shape(x)))  # its static shape, where lost
+            self.pages[page] = tuple(written)
 
     def _write(self, position: Any, keys: Tensor, values: Tensor) -> None:
         """Rows that fall in one split, written from ``position``."""
@@ -167,8 +265,12 @@ class KVCache:
         """(first position, keys, values) of the storage's blocks of splits (splits, B, kv_heads,
         split, width) holding positions in [first, length): the contiguous storage as one block,
         a paged cache page by page (both from the split that holds ``first``); where length is
-        traced, all of the storage."""
+        traced, all of the storage as one block."""
         position, traced = 0, not isinstance(length, int)
+        if traced and len(self.pages) > 1:  # a compiler's product of other shapes may round otherwise
+            ks, vs = zip(*self.pages)
+            yield 0, self.ops.concat(list(ks), 0), self.ops.concat(list(vs), 0)
+            return
         for k, v in self.pages:
             splits = self.ops.shape(k)[0]
             if not traced and position >= length:
@@ -216,17 +318,20 @@ def cached_attention(
             f"q must have shape ({batch}, H, {n}, {width}) with H a multiple of kv_heads={cache.kv_heads} "
             f"and as many positions as k_new, got {tuple(ops.shape(q))}"
         )
-    old = _known(ops, cache.length)
+    old = cache.length
     cache = cache.append(k_new, v_new)
+    length = cache.length  # read once: on torch each read is one from a tensor
     groups = heads // cache.kv_heads
     q = q * (width**-0.5 if scale is None else scale)
     q = ops.reshape(q, (1, batch, cache.kv_heads, groups * n, width))  # each group's heads as rows
-    call = Call(ops, q, batch, heads, groups, n, old, cache.length, masks, score_mod)
-    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(cache.length, call.first_key())]
+    call = Call(ops, q, batch, heads, groups, n, old, length, masks, score_mod)
+    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(length, call.first_key())]
     top, sums, outs = parts[0] if len(parts) == 1 else (ops.concat(x, 0) for x in zip(*parts))
     weight = ops.exp(top - ops.max(top, 0))  # the lse merge of every split's partial softmax
     total = ops.sum(sums * weight, 0)  # 0 where every key is hidden (out is then 0: the row rule)
     out = ops.sum(outs * weight, 0) / ops.select(total > 0, total, 1.0)
+    if not isinstance(length, int):  # compiled: a step past the storage gives NaN, never a number
+        out = ops.where(length <= cache.capacity, out, float("nan"))
     return ops.cast(ops.reshape(out, (batch, heads, n, cache.value_dim)), q), cache
 
 

@@ -95,12 +95,11 @@ def _on(ops: Ops, x: Any, like: Tensor) -> Tensor:
 class Index:
     """Integer positions (b, h, q_idx, kv_idx) handed to score and mask functions where the
     framework's integer arrays do not mix with Python floats as Python's ints do (``Ops.
-    mod_positions``: tensorflow and the strict Array API refuse ``0.1 * i``, torch computes it
-    in float32).  Integer arithmetic stays integer; with a float
-    (a Python float or a float array) the positions are cast to the scores' dtype first, so
-    ``s + 0.1 * (q_idx - kv_idx)`` is computed as Python would; comparisons give the
-    framework's booleans; a captured torch tensor indexed by them, ``tf.gather`` and ``take``
-    take them."""
+    call_mod``: tensorflow and the strict Array API refuse ``0.1 * i``).  Integer arithmetic
+    stays integer; with a float (a Python float or a float array) the positions are cast to the
+    scores' dtype first, so ``s + 0.1 * (q_idx - kv_idx)`` is computed as Python would;
+    comparisons give the framework's booleans; ``tf.gather``, ``tf.abs`` and ``take`` take
+    them."""
 
     __slots__ = ("ints", "ops", "like")
 
@@ -188,9 +187,10 @@ class Index:
     def __tf_tensor__(self, dtype: Any = None, name: Any = None) -> Tensor:
         return self.ints
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        return func(*_native(args), **_native(kwargs or {}))
+
+def call_with_index(ops: Ops, fn: Callable, args: tuple, like: Tensor) -> Tensor:
+    """fn on args whose last four, the positions, are wrapped in ``Index`` (``Ops.call_mod``)."""
+    return fn(*args[:-4], *(Index(x, ops, like) for x in args[-4:]))
 
 
 def _native(x: Any) -> Any:
@@ -301,7 +301,7 @@ def positions(ops: Ops, like: Tensor, heads: Optional[int], block: Block, batch:
     q = ops.expand_dims(ops.expand_dims(ops.expand_dims(q, -1), 0), 0)
     for _ in range(3):
         k = ops.expand_dims(k, 0)
-    return tuple(ops.mod_positions(x, like) for x in (b, h, q, k))
+    return b, h, q, k
 
 
 def _to_rank(ops: Ops, x: Tensor, heads: Optional[int]) -> Tensor:
@@ -312,7 +312,7 @@ def _to_rank(ops: Ops, x: Tensor, heads: Optional[int]) -> Tensor:
 
 
 def call_with_positions(ops, fn, like, heads, block, batch) -> Tensor:
-    mask = fn(*positions(ops, like, heads, block, batch))
+    mask = ops.call_mod(fn, positions(ops, like, heads, block, batch), like)
     if framework_of(mask) != ops.name or ops.dtype_kind(mask) != "b":
         got = f"{_kind(mask)} ({getattr(mask, 'dtype', type(mask).__name__)})"
         raise TypeError(
@@ -327,8 +327,7 @@ def apply_score_mod(ops: Ops, score_mod: Callable, scores: Tensor, block: Block,
     its answer in the scores' dtype (Python's promotion may have widened it)."""
     heads = ops.shape(scores)[1] if len(ops.shape(scores)) == 4 else None
     four = scores if heads is not None else ops.expand_dims(scores, 1)
-    b, h, q, k = positions(ops, scores, heads, block, batch)
-    out = score_mod(four, b, h, q, k)
+    out = ops.call_mod(score_mod, (four,) + positions(ops, scores, heads, block, batch), scores)
     if framework_of(out) != ops.name or ops.dtype_kind(out) != "f":
         got = f"{_kind(out)} ({getattr(out, 'dtype', type(out).__name__)})"
         raise TypeError(
@@ -626,6 +625,26 @@ class or_masks(MaskFunction):
 
     def __repr__(self) -> str:
         return f"or_masks({', '.join(map(repr, self.fns))})"
+
+
+class _NoopMask(MaskFunction):
+    """Every key visible (FlexAttention's ``noop_mask``)."""
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return logical_or(kv_idx >= 0, q_idx >= 0)
+
+    def classify(self, ops, block):
+        return True, True
+
+    def values_key(self, block):
+        q0, q1, k0, k1 = block
+        return q1 - q0, k1 - k0
+
+    def __repr__(self) -> str:
+        return "noop_mask"
+
+
+noop_mask = _NoopMask()
 
 
 # -- queries that sit after the keys (``query_offset``) ---------------------------------------

@@ -129,13 +129,14 @@ class Primitives:
         """The integers start .. stop - 1, 1-D, in an integer dtype, on like's device."""
         raise NotImplementedError
 
-    def mod_positions(self, positions: Tensor, like: Tensor) -> Any:
-        """What score and mask functions get for ``positions`` in calls on like's dtype: the
-        integers themselves, or where the framework's integers times a Python float raise
-        (tensorflow, the strict Array API), give integers (mxnet) or float32 (torch, paddle), positions
-        that do what Python says (``mods.Index``; paddle: a Tensor subclass; mxnet: floats,
-        which it indexes with)."""
-        return positions
+    def call_mod(self, fn: Any, args: tuple, like: Tensor) -> Tensor:
+        """A score or mask function called on args (the scores first for a score function, then
+        the positions b, h, q_idx, kv_idx, the framework's integer arrays) in a call on like's
+        dtype, so that its Python floats mix with the positions as Python says: the default
+        calls fn as it is; tensorflow and the strict Array API (whose integers refuse a float)
+        wrap the positions in ``mods.Index``; torch scopes the default dtype to like's (an int
+        tensor times a float is in the default dtype); paddle: a Tensor subclass; mxnet: floats."""
+        return fn(*args)
 
     def take(self, x: Tensor, indices: Tensor) -> Tensor:
         """x (n,) at integer indices of any shape: x[indices]."""
@@ -274,6 +275,12 @@ class Primitives:
         mx.compile): the host's plan of blocks then keeps a fixed number of query blocks, so
         that compiling takes as long at every length.  The default: False."""
         return False
+
+    def host_count(self, value: int) -> Any:
+        """A count that changes from call to call (a cache's length) as the calls take it: the
+        int itself by default; torch: a 0-D CPU tensor, which torch.compile takes as an input
+        rather than a constant to recompile for."""
+        return value
 
     def host_values(self, x: Tensor) -> Any:
         """x's values as a numpy array where they can be read now and cheaply (eager, on the

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import operator
 import os
 from typing import Any, Iterator, List, Tuple
 
@@ -24,9 +23,8 @@ ORDER = {
     "masked_softmax": ("masked_softmax_writing_padding", "masked_softmax_in_scores_memory"),
     "additive_scores": ("additive_scores_over_visible_keys", "additive_scores_in_blocks"),
 }
-# per step, each specialisation's name and its method of an adapter (attrgetter: no Python
-# frame per offer, and the method looked up at each call)
-_ASK = {step: tuple((name, operator.attrgetter(name)) for name in names) for step, names in ORDER.items()}
+# step -> the names asked, each looked up with getattr at each call (torch.compile traces it)
+_ASK = {step: tuple(names) for step, names in ORDER.items()}
 OFF = "all specialisations are off (MULTIATTN_SPECIALISATIONS=off or primitives_only())"
 
 _state = {"on": os.environ.get("MULTIATTN_SPECIALISATIONS", "on").lower() != "off", "log": None}
@@ -42,8 +40,8 @@ def run(ops: Any, step: str, *inputs: Any) -> Any:
         if log is not None:
             log.append((ops.name, step, "*", OFF))
         return None
-    for name, method in _ASK[step]:
-        offer = method(ops)(*inputs)
+    for name in _ASK[step]:
+        offer = getattr(type(ops), name)(ops, *inputs)  # the adapter's override, or the base's decline
         if type(offer) is str:
             if log is not None:
                 log.append((ops.name, step, name, offer))

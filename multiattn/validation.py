@@ -8,6 +8,7 @@ import inspect
 import math
 import numbers
 import re
+import types
 from typing import Any, Optional
 
 import numpy as np
@@ -452,16 +453,22 @@ def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
 
 def check_arity(arg: str, fn: Any) -> None:
     """That fn can be called with the arguments of its kind (``MOD_ARGUMENTS``)."""
-    try:
-        problem = _ARITY_CHECKED[arg, fn]
-    except (KeyError, TypeError):  # not seen, or unhashable
-        problem = _arity_problem(arg, fn)
-        if len(_ARITY_CHECKED) > 256:
-            _ARITY_CHECKED.clear()
+    if arg == "mask_mod" and isinstance(fn, mods.MaskFunction):  # multiattn's own take (b, h, q_idx, kv_idx)
+        return
+    if type(fn) is types.FunctionType and not hasattr(fn, "__wrapped__"):
+        # its code read directly, uncached: torch.compile traces this, not inspect.signature
+        problem = _arity_problem(arg, _code_parameters(fn))
+    else:
         try:
-            _ARITY_CHECKED[arg, fn] = problem
-        except TypeError:
-            pass
+            problem = _ARITY_CHECKED[arg, fn]
+        except (KeyError, TypeError):  # not seen, or unhashable
+            problem = _arity_problem(arg, _signature_parameters(fn))
+            if len(_ARITY_CHECKED) > 256:
+                _ARITY_CHECKED.clear()
+            try:
+                _ARITY_CHECKED[arg, fn] = problem
+            except TypeError:
+                pass
     if problem:
         raise TypeError(problem)
 
@@ -469,28 +476,50 @@ def check_arity(arg: str, fn: Any) -> None:
 _ARITY_CHECKED: dict = {}  # (kind, function) -> its problem or None: signature() is slow per call
 
 
-def _arity_problem(arg: str, fn: Any) -> Optional[str]:
-    names = MOD_ARGUMENTS[arg]
-    count = names.count(",") + 1
+def _code_parameters(fn: Any) -> tuple:
+    """``_signature_parameters`` of a plain Python function, from its code object."""
+    code = fn.__code__
+    names = code.co_varnames[: code.co_argcount]
+    keyword_only = code.co_varnames[code.co_argcount : code.co_argcount + code.co_kwonlyargcount]
+    keyword_defaults = (fn.__kwdefaults__ or {}) if keyword_only else {}  # read only where needed
+    return (
+        names,
+        len(names) - len(fn.__defaults__ or ()),
+        bool(code.co_flags & inspect.CO_VARARGS),
+        any(name not in keyword_defaults for name in keyword_only),
+    )
+
+
+def _signature_parameters(fn: Any) -> Optional[tuple]:
+    """(names of fn's positional parameters, how many of them lack a default, whether it takes
+    *args, whether a keyword-only parameter lacks a default); None where unknown."""
     try:
-        signature = inspect.signature(fn)
+        every = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or extension: not known
         return None
-    try:
-        signature.bind(*range(count))
-    except TypeError:
-        params = [
-            p for p in signature.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        other = next(
-            (o for o, n in MOD_ARGUMENTS.items() if o != arg and n.count(",") + 1 == len(params)), None
-        )
-        hint = f"; it looks like a {other}" if other else ""
-        return (
-            f"{arg} must take {count} arguments ({names}), got a function of {len(params)} "
-            f"({', '.join(p.name for p in params)}){hint}"
-        )
-    return None
+    params = [p for p in every if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (
+        tuple(p.name for p in params),
+        sum(p.default is p.empty for p in params),
+        any(p.kind == p.VAR_POSITIONAL for p in every),
+        any(p.kind == p.KEYWORD_ONLY and p.default is p.empty for p in every),
+    )
+
+
+def _arity_problem(arg: str, parameters: Optional[tuple]) -> Optional[str]:
+    """What is wrong with a function of these parameters (``_signature_parameters``) as arg."""
+    if parameters is None:
+        return None
+    names, required, var_positional, keyword_required = parameters
+    count = MOD_ARGUMENTS[arg].count(",") + 1
+    if (len(names) >= count or var_positional) and required <= count and not keyword_required:
+        return None
+    other = next((o for o, n in MOD_ARGUMENTS.items() if o != arg and n.count(",") + 1 == len(names)), None)
+    hint = f"; it looks like a {other}" if other else ""
+    return (
+        f"{arg} must take {count} arguments ({MOD_ARGUMENTS[arg]}), got a function of {len(names)} "
+        f"({', '.join(names)}){hint}"
+    )
 
 
 def check_block_size(block_size: Any, return_weights: Any) -> Any:

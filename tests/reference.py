@@ -147,12 +147,13 @@ def project(X, W, b=None) -> np.ndarray:
 
 def multi_head_attention(
     queries, keys, values, valid_lens, weights, num_heads, attention_mask=None, causal=False,
-    num_kv_heads=None, mask_fn=None,
+    num_kv_heads=None, mask_fn=None, score_fn=None,
 ):  # fmt: skip
     """(output (B, Q, h), weights (B, H, Q, K)) of d2l 11.5: head i uses columns i*d .. (i+1)*d-1
     of the projected queries and, of the projected keys and values, those of key/value head
     i // (num_heads / num_kv_heads) (grouped-query attention; default: head i's own).
-    mask_fn(b, h, i, j): a mask function's formula, ANDed with the masks."""
+    mask_fn(b, h, i, j): a mask function's formula, ANDed with the masks; score_fn(s, b, h, i,
+    j): a score function's, on the scaled scores."""
     q_p = project(queries, weights["W_q"], weights.get("b_q"))
     k_p = project(keys, weights["W_k"], weights.get("b_k"))
     v_p = project(values, weights["W_v"], weights.get("b_v"))
@@ -170,6 +171,8 @@ def multi_head_attention(
                     scores[b, head, i, j] = sum(
                         q_p[b, i, head * d + c] * k_p[b, j, kv * d + c] for c in range(d)
                     ) / math.sqrt(d)
+    if score_fn is not None:
+        scores = modified_scores(scores, score_fn)
     if mask_fn is not None:
         shown = function_mask(scores.shape, mask_fn)
         attention_mask = shown if attention_mask is None else shown & np.asarray(attention_mask, dtype=bool)
@@ -243,3 +246,25 @@ def heads_attention(
                 for j in range(K):
                     out[b, h, i] += weights[b, h, i, j] * v[b, h // group, j]
     return out, weights
+
+
+def heads_lse(queries, keys, scale=None, mask_fn=None, score_fn=None) -> np.ndarray:
+    """lse (B, H, Q) of 4-D attention: log of the sum over the keys that mask_fn(b, h, i, j)
+    shows of exp(score_fn(scale * q . k, b, h, i, j)); -inf where it shows none."""
+    q, k = (np.asarray(x, dtype=np.float64) for x in (queries, keys))
+    B, H, Q, d = q.shape
+    group = H // k.shape[1]
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    out = np.full((B, H, Q), -np.inf)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Q):
+                seen = []
+                for j in range(k.shape[2]):
+                    if mask_fn is None or mask_fn(b, h, i, j):
+                        s = scale * sum(q[b, h, i, c] * k[b, h // group, j, c] for c in range(d))
+                        seen.append(s if score_fn is None else score_fn(s, b, h, i, j))
+                if seen:
+                    top = max(seen)
+                    out[b, h, i] = top + math.log(sum(math.exp(s - top) for s in seen))
+    return out

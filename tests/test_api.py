@@ -92,6 +92,26 @@ def test_uninstalled_backend_names_the_extra(name, extra):
     assert f"multiattn backend {name!r} needs the {framework!r} package" in result.stdout
 
 
+@pytest.mark.parametrize("module", ["backends.mxnet", "layers.mxnet", "backends.torch", "layers.jax"])
+def test_importing_a_framework_module_without_its_framework_names_the_install(module):
+    name = module.split(".")[1]
+    code = (
+        "import sys; sys.modules['mxnet'] = sys.modules['torch'] = sys.modules['flax'] = None\n"
+        f"try:\n    from multiattn.{module} import ops\n"
+        "except ImportError as err:\n    print(type(err).__name__, err)\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert "BackendImportError" in result.stdout, result.stdout
+    assert _registry.install_hint(name) in result.stdout, result.stdout
+
+
+def test_dir_lists_the_api_alone():
+    names = [n for n in dir(multiattn) if not n.startswith("__")]
+    assert names == sorted(multiattn.__all__)
+    assert "flex_attention" in names and "Any" not in names and "annotations" not in names
+
+
 def test_get_backend_returns_the_backend_module(bk):
     assert bk.module.__name__ == f"multiattn.backends.{bk.name}"
     for name in BACKEND_EXPORTS + (LAYER_EXPORTS if bk.has_layers else ()):

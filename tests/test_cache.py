@@ -1,7 +1,9 @@
 """``KVCache`` and ``cached_attention``: a prefill then single-token steps over a cache,
 contiguous (grown by doubling, visited in blocks) or paged, give at every step the rows of the
-full causal attention of tests/reference.py's loops, on every backend; under ``jax.jit`` a
-step compiles once for every length within the capacity."""
+full causal attention of tests/reference.py's loops, on every backend; under ``jax.jit`` and
+``tf.function`` a step compiles once for every length within the storage (``capacity=``, or a
+pool of ``num_pages=``), pages of 16 give the contiguous answer bitwise, and a step past the
+storage gives NaN, never a finite wrong answer."""
 
 from __future__ import annotations
 
@@ -170,6 +172,21 @@ def test_a_cache_copies_and_pickles_with_its_backend(bk):
     np.testing.assert_array_equal(bk.numpy(got), bk.numpy(want))
 
 
+def test_the_length_reads_as_an_int_and_loads_from_a_pickle_of_an_int(bk):
+    """Eagerly ``length`` is an int on every backend (torch holds a 0-D tensor for
+    torch.compile); a pickled state with a plain ``length`` (before it was a property) loads."""
+    q, k, v = _full(bk, "float32", seed=5)
+    args = [bk.tensor(x[:, :, :PREFILL], "float32") for x in (q, k, v)]
+    _, cache = multiattn.cached_attention(*args, _cache(bk, "float32"))
+    assert type(cache.length) is int and cache.length == PREFILL
+    state = cache.__getstate__()
+    del state["_length"], state["_host_length"]
+    state["length"] = PREFILL
+    old = object.__new__(type(cache))
+    old.__setstate__(state)
+    assert type(old.length) is int and old.length == PREFILL and old.ops is cache.ops
+
+
 @pytest.mark.parametrize("bad, error, words", [
     ((B, KV, 1, D + 1), ValueError, r"keys must have shape \(2, 2, 'n', 3\)"),
     ((B, KV + 1, 1, D), ValueError, "keys must have shape"),
@@ -180,3 +197,95 @@ def test_bad_appends_are_refused_by_name(bk, bad, error, words):
         cache.append(bk.tensor(np.zeros(bad), "float32"), bk.tensor(np.zeros(bad), "float32"))
     with pytest.raises(ValueError, match="page_size must be an int >= 1"):
         multiattn.KVCache(B, KV, D, like=bk.tensor(np.zeros(1), "float32"), page_size=0)
+
+
+def _compiled(bk, counted=True):
+    """cached_attention under the backend's compiler (itself, or counted: in a function that
+    lists its traces), and that list."""
+    traces: list = []
+
+    def step(q, k, v, cache, causal=True, mask_mod=None, score_mod=None):
+        traces.append(1)
+        return multiattn.cached_attention(
+            q, k, v, cache, causal=causal, mask_mod=mask_mod, score_mod=score_mod
+        )
+
+    if bk.name == "jax":
+        import jax
+
+        if not counted:
+            return jax.jit(multiattn.cached_attention), traces
+        return jax.jit(step, static_argnames=("causal", "mask_mod", "score_mod")), traces
+    if bk.name == "tensorflow":
+        import tensorflow as tf
+
+        return tf.function(step if counted else multiattn.cached_attention), traces
+    pytest.skip("jax.jit and tf.function; the eager backends run the steps above")
+
+
+def _compiled_steps(bk, step, q, k, v, cache, **kw):
+    """A prefill of PREFILL positions eagerly, then a compiled step per position."""
+    args = [bk.tensor(x[:, :, :PREFILL], "float32") for x in (q, k, v)]
+    out, cache = multiattn.cached_attention(*args, cache, **kw)
+    outs = [np.asarray(bk.numpy(out), dtype=np.float64)]
+    for t in range(PREFILL, T):
+        out, cache = step(*(bk.tensor(x[:, :, t : t + 1], "float32") for x in (q, k, v)), cache, **kw)
+        outs.append(np.asarray(bk.numpy(out), dtype=np.float64))
+    return outs, cache
+
+
+def test_compiled_steps_in_pages_of_16_equal_the_contiguous_cache_bitwise(bk):
+    """Under jax.jit and tf.function a paged cache with a fixed pool of pages (num_pages=)
+    and a contiguous one (capacity=) pass through the compiled step, with a window and ALiBi
+    at absolute positions: one trace each, every step the reference's row, and pages of 16 the
+    contiguous answer bitwise."""
+    step, traces = _compiled(bk)
+    q, k, v = _full(bk, "float32", seed=5)
+    window = lambda b, h, i, j: 0 <= i - j < 4  # noqa: E731
+    alibi = lambda s, b, h, i, j: s + SLOPES[h] * (j - i)  # noqa: E731
+    want, _ = ref.heads_attention(q, k, v, mask_fn=window, score_fn=alibi)
+    kw = dict(causal=False, mask_mod=mods.sliding_window(4), score_mod=mods.alibi(SLOPES))
+    found = {}
+    for layout, sizes in [("contiguous", dict(capacity=32)), ("paged", dict(page_size=16, num_pages=2))]:
+        outs, cache = _compiled_steps(bk, step, q, k, v, _cache(bk, "float32", **sizes), **kw)
+        assert int(cache.length) == T and cache.capacity == 32
+        for t, got in enumerate(outs[1:], start=PREFILL):
+            assert_close(bk, bk.tensor(got, "float32"), want[:, :, t : t + 1], "float32")
+        found[layout] = outs
+    assert len(traces) == 2  # one per layout, whatever the length
+    for a, b in zip(found["paged"], found["contiguous"]):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(capacity=16), dict(page_size=16, num_pages=1), dict(page_size=8, num_pages=2)]
+)
+def test_a_compiled_step_past_the_storage_gives_nan_never_a_number(bk, sizes):
+    """The storage holds 16 positions and the steps append 25: the steps within it give the
+    reference's rows, every step past it NaN in every row (no finite wrong answer), and an
+    eager append to that cache raises."""
+    step, _ = _compiled(bk, counted=False)
+    q, k, v = _full(bk, "float32", seed=6)
+    want, _ = ref.heads_attention(q, k, v, causal=True)
+    outs, cache = _compiled_steps(bk, step, q, k, v, _cache(bk, "float32", **sizes))
+    assert int(cache.length) == T and cache.capacity == 16
+    for t, got in enumerate(outs[1:], start=PREFILL):
+        if t < 16:
+            assert_close(bk, bk.tensor(got, "float32"), want[:, :, t : t + 1], "float32")
+        else:
+            assert np.isnan(got).all(), f"step {t}, past the capacity 16: {got}"
+    with pytest.raises(ValueError, match="cache length 25 exceeds its capacity 16"):
+        cache.append(*(bk.tensor(x[:, :, :1], "float32") for x in (k, v)))
+
+
+def test_a_pool_of_pages_grows_eagerly(bk):
+    """num_pages= makes the pages up front; eagerly a paged cache still adds pages past them."""
+    q, k, v = _full(bk, "float32", seed=7)
+    want, _ = ref.heads_attention(q, k, v, causal=True)
+    cache = _cache(bk, "float32", page_size=8, num_pages=2)
+    assert cache.capacity == 16 and cache.length == 0
+    outs, cache = _decode(bk, "float32", q, k, v, cache, steps=12)  # to position 16: a third page
+    assert cache.length == 17 and cache.capacity == 24
+    assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, 16:17], "float32")
+    with pytest.raises(ValueError, match="num_pages is for a paged cache"):
+        _cache(bk, "float32", num_pages=2)

@@ -285,7 +285,7 @@ def test_the_specialisations_table_matches_the_code():
 
     order = [(step, name) for step, names in specialise.ORDER.items() for name in names]
     assert sorted(name for _, name in order) == sorted(OFFERS)
-    assert [(step, name) for step, asks in specialise._ASK.items() for name, _ in asks] == order
+    assert [(step, name) for step, asks in specialise._ASK.items() for name in asks] == order
     rows = _specialisations_table()
     assert [(step, name) for step, name, _ in rows] == order, (
         "docs/architecture.md's table is not ORDER's order"

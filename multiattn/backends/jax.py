@@ -9,10 +9,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-import jax
-import jax.numpy as jnp
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("jax"):  # not installed: an error naming the install
+    import jax
+    import jax.numpy as jnp
+    from jax.custom_derivatives import SymbolicZero
+
 import numpy as np
-from jax.custom_derivatives import SymbolicZero
 
 from .. import fast_paths
 from ..cache import KVCache
@@ -164,22 +168,9 @@ FUSED_ON_CPU = False
 ops = JaxOps()
 
 # a cache passes through jax.jit as its arrays and its length (a traced scalar inside)
-_CACHE_FIELDS = ("ops", "batch", "kv_heads", "head_dim", "value_dim", "page_size", "dtype", "split")
 jax.tree_util.register_pytree_node(
-    KVCache,
-    lambda c: (
-        (c.pages, jnp.asarray(c.length, jnp.int32), c._like),
-        tuple(getattr(c, f) for f in _CACHE_FIELDS),
-    ),
-    lambda fields, children: _unflatten_cache(fields, children),
+    KVCache, lambda c: c._flatten()[::-1], lambda fields, tensors: KVCache._unflatten(fields, tensors)
 )
-
-
-def _unflatten_cache(fields, children):
-    cache = object.__new__(KVCache)
-    cache.__dict__.update(zip(_CACHE_FIELDS, fields))
-    cache.pages, cache.length, cache._like = list(children[0]), children[1], children[2]
-    return cache
 
 
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)

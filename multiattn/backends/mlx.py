@@ -12,7 +12,11 @@ import functools
 import threading
 from typing import Any, Optional
 
-import mlx.core as mx
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("mlx"):  # not installed: an error naming the install
+    import mlx.core as mx
+
 import numpy as np
 
 from .. import fast_paths

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import mxnet as mx
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("mxnet"):  # not installed: an error naming the install
+    import mxnet as mx
+    from mxnet import autograd, np, npx
+
 import numpy as onp
-from mxnet import autograd, np, npx
 
 from .. import fast_paths
 from .._machine import measured_faster
@@ -142,9 +146,10 @@ class MxnetOps(Ops):
             condition, x, y if isinstance(y, np.ndarray) else np.array(y, dtype=x.dtype, ctx=x.ctx)
         )
 
-    def mod_positions(self, positions, like):
+    def call_mod(self, fn, args, like):
         # int64 * 0.1 gives integers; mxnet indexes with floats, exact as integers in float32
-        return positions.astype(self.widen(like).dtype)
+        dtype = self.widen(like).dtype
+        return fn(*args[:-4], *(x.astype(dtype) for x in args[-4:]))
 
     def positions(self, start, stop, like):
         return np.arange(start, stop, dtype="int64", ctx=like.ctx)

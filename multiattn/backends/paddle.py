@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._registry import BackendImportError
+from .._registry import BackendImportError, framework_imports
 from ..validation import InputDtypeError
 
 if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
@@ -28,8 +28,9 @@ if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
         "(e.g. 'import paddle' at the top of your program), or use paddle in another process."
     )
 
-import paddle  # noqa: E402
-from paddle import nn  # noqa: E402
+with framework_imports("paddle"):  # not installed: an error naming the install
+    import paddle  # noqa: E402
+    from paddle import nn  # noqa: E402
 
 from .. import fast_paths  # noqa: E402
 from ..adapter import Ops  # noqa: E402
@@ -184,8 +185,9 @@ class PaddleOps(Ops):
     def positions(self, start, stop, like):
         return paddle.arange(start, stop)
 
-    def mod_positions(self, positions, like):
-        return _positions_class(like.dtype)(positions)
+    def call_mod(self, fn, args, like):
+        positions = _positions_class(like.dtype)
+        return fn(*args[:-4], *(positions(x) for x in args[-4:]))
 
     def constant(self, values, like):
         return paddle.to_tensor(values, place=like.place)

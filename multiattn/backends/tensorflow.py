@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._registry import BackendImportError
+from .._registry import BackendImportError, framework_imports
 
 if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
     raise BackendImportError(
@@ -19,7 +19,8 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
         "before the first 'import keras'"
     )
 
-import tensorflow as tf  # noqa: E402
+with framework_imports("tensorflow"):  # not installed: an error naming the install
+    import tensorflow as tf  # noqa: E402
 
 try:
     import keras  # noqa: E402
@@ -134,8 +135,8 @@ class TensorFlowOps(Ops):
     def take(self, x, indices):
         return tf.gather(x, indices)
 
-    def mod_positions(self, positions, like):
-        return mods.Index(positions, self, like)  # tf.int32 * 0.1 raises
+    def call_mod(self, fn, args, like):
+        return mods.call_with_index(self, fn, args, like)  # tf.int32 * 0.1 raises
 
     def positions(self, start, stop, like):
         return tf.range(start, stop)

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
+import sys
 from typing import Any, Optional
 
 import numpy as np
-import torch
-from torch.nn import functional as F
 
-from .. import blockwise, fast_paths, mods
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("torch"):  # not installed: an error naming the install
+    import torch
+    from torch.nn import functional as F
+
+from .. import _registry, blockwise, fast_paths
 from .._machine import l2_cache_bytes, measured_faster
 from ..adapter import Ops
 from ..functional import bind
-from ..protocol import dtype_kind_by_dtype, layer_exports
+from ..protocol import layer_exports
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
@@ -33,18 +37,25 @@ def _kind(dtype: torch.dtype) -> str:
     return "u" if dtype == torch.uint8 else "i"
 
 
+_KINDS = {dtype: _kind(dtype) for dtype in vars(torch).values() if isinstance(dtype, torch.dtype)}
+
+
 class TorchOps(Ops):
     name = "torch"
     # one block of float32 additive features fills one core's L2: the sum, the activation and
     # the w_v product stay in it (the block size measured best: benchmarks/RESULTS.md)
     feature_block_elements = l2_cache_bytes() // 4
 
-    shape = staticmethod(operator.attrgetter("shape"))  # a torch.Size (a tuple); no Python frame
+    # a torch.Size (a tuple); a C method: no Python frame, and torch.compile traces it
+    shape = staticmethod(torch.Tensor.size)
 
     # below it every offer declines (``least_threshold``, set after the thresholds below)
     specialised_from = 0
 
-    dtype_kind = dtype_kind_by_dtype(_kind)  # the checks read it on every call
+    def dtype_kind(self, x):
+        # the checks read it on every call: a dict made once (torch.compile guards on one that grows)
+        kind = _KINDS.get(x.dtype)
+        return _kind(x.dtype) if kind is None else kind
 
     def zeros(self, shape, like):
         return torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -163,6 +174,8 @@ class TorchOps(Ops):
         return _positions(n_keys, device) < per_row
 
     def causal_mask(self, n_queries, n_keys, like):
+        if torch.compiler.is_compiling():  # made in the graph: a cache read while traced is guarded on
+            return torch.ones(n_queries, n_keys, dtype=torch.bool, device=like.device).tril()
         key = ("causal", n_queries, n_keys, None if like.is_cpu else like.device)
         mask = _POSITIONS.get(key)
         if mask is None:
@@ -193,8 +206,17 @@ class TorchOps(Ops):
     def select(self, condition, x, y):
         return torch.where(condition, x, y)
 
-    def mod_positions(self, positions, like):
-        return mods.Index(positions, self, like)  # int64 * 0.1 is float32, whatever the scores
+    def call_mod(self, fn, args, like):
+        # an int tensor times a Python float is in the default dtype: the call's, while fn runs
+        dtype = torch.float64 if like.dtype == torch.float64 else torch.float32
+        previous = torch.get_default_dtype()
+        if dtype == previous:
+            return fn(*args)
+        torch.set_default_dtype(dtype)
+        try:
+            return fn(*args)
+        finally:
+            torch.set_default_dtype(previous)
 
     def positions(self, start, stop, like):
         return torch.arange(start, stop, device=like.device)
@@ -233,6 +255,28 @@ class TorchOps(Ops):
 
     def unrolls_loops(self, x):
         return torch.compiler.is_compiling()
+
+    def host_count(self, value):
+        # a count (a cache's length) as a 0-D int64 tensor on the CPU: torch.compile guards on
+        # its dtype and shape, not on its value, and eagerly ``host_values`` reads it back
+        return torch.scalar_tensor(value, dtype=torch.int64, device="cpu")
+
+    def rows_at(self, x, start, size, axis=-2):
+        if isinstance(start, int):
+            return super().rows_at(x, start, size, axis)
+        # a traced position (torch.compile): indices, not a slice (which would read the value back)
+        at = torch.arange(size, device=x.device) + torch.as_tensor(start).to(x.device)
+        return torch.index_select(x, axis, at)
+
+    def write_rows(self, x, split, start, rows):
+        if isinstance(split, int) and isinstance(start, int):
+            return super().write_rows(x, split, start, rows)
+        # traced positions (torch.compile): an index_put_ in place, as the slice assignment eagerly
+        at = torch.arange(rows.shape[-2], device=x.device) + torch.as_tensor(start).to(x.device)
+        split = torch.as_tensor(split).to(x.device).reshape(1)  # 1-D: a 0-D index is read back as an int
+        index = (split,) + (slice(None),) * (x.dim() - 3) + (at,)
+        x[index] = rows.movedim(-2, 0)  # the indices' axis first: apart from split, slices between
+        return x
 
     def host_values(self, x):
         if x.device.type != "cpu" or torch.compiler.is_compiling() or _transformed(x):
@@ -302,6 +346,9 @@ class TorchOps(Ops):
             return declined
         if not fast_paths.at_least(queries.shape[:-1] + keys.shape[-2:-1], FUSED_MIN_SCORES):
             return "too few scores for SDPA's fixed cost"
+        if masks.causal and masks.valid_lens is None and masks.attention_mask is None:
+            # causality alone: SDPA's is_causal (top-left, as the core's), no mask made or read
+            return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=True), None)
         return functools.partial(fast_paths.fused_attention, self, _sdpa, queries, keys, values, masks, scale)
 
     def masked_softmax_writing_padding(self, scores, values, masks, owned):
@@ -479,7 +526,14 @@ VISIBLE_KEYS_MAX_SHARE = 0.85
 FUSED_MIN_SCORES = 1 << 16
 _FULL = (torch.float32, torch.float64)
 # vmap and grad transforms wrap their tensors (and refuse out=); without the test: decline
-_transformed = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: True)
+_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", lambda x: True)
+
+
+def _transformed(x) -> bool:
+    """Whether x may be wrapped by a transform: always under torch.compile, which cannot call
+    the test and whose graphs must hold neither out= nor host reads."""
+    return torch.compiler.is_compiling() or _wrapped(x)
+
 
 # Below this many scores per sequence the per-slice Python and kernel cost (a few us per
 # sequence) exceeds a masked pass over all of them.
@@ -529,6 +583,8 @@ _CONSTANTS: dict = {}
 def _constant(value: float, like: torch.Tensor) -> torch.Tensor:
     """value as a cached 0-d tensor of like's dtype and device: torch.where takes one in
     half the time of a Python float, which it wraps into a new tensor on every call."""
+    if torch.compiler.is_compiling():  # made in the graph: a cache read while traced is guarded on
+        return torch.full((), value, dtype=like.dtype, device=like.device)
     key = (value, like.dtype) if like.is_cpu else (value, like.dtype, like.device)
     try:
         return _CONSTANTS[key]
@@ -578,6 +634,8 @@ _LOWEST = {
 def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
     """arange(n) on device (None: the CPU), cached: the mask is rebuilt on every call and
     the toy sizes are per-op bound."""
+    if torch.compiler.is_compiling():  # made in the graph: a cache read while traced is guarded on
+        return torch.arange(n, device="cpu" if device is None else device)
     key = (n, device)
     tensor = _POSITIONS.get(key)
     if tensor is None:
@@ -599,6 +657,11 @@ TorchOps.specialised_from = least_threshold()
 ops = TorchOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = layer_exports("torch")
+# the registry knows torch's tensors and this module from import on: torch.compile traces its
+# lookups, and a lookup that fills it while traced would be guarded on and recompile
+for _tensor in (torch.empty(0), torch.nn.Parameter(torch.empty(0))):
+    _registry.framework_of(_tensor)
+_registry._loaded.setdefault("torch", sys.modules[__name__])
 
 
 def vjp(fn, args, cotangent):
