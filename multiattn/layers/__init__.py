@@ -28,6 +28,12 @@ from ..protocol import Tensor
 WEIGHT_NAMES = ("W_q", "W_k", "w_v")
 CanonicalWeights = Dict[str, np.ndarray]
 
+# The keywords of the layers' calls and their defaults; a layer takes those of its ``_takes``.
+CALL_KEYWORDS = {
+    "attention_mask": None, "causal": False, "score_mod": None, "mask_mod": None, "block_mask": None,
+    "cache": None,
+}  # fmt: skip
+
 
 def check_dropout(dropout: Any) -> float:
     if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) or not 0.0 <= float(dropout) < 1.0:
@@ -125,14 +131,29 @@ class CanonicalWeightsMixin:
 
 
 class AdditiveWeights(CanonicalWeightsMixin):
-    """W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,)."""
+    """W_q (num_hiddens, query_size), W_k (num_hiddens, key_size), w_v (num_hiddens,); the
+    call takes no block_mask= and no cache=."""
 
     key_size: int
     query_size: int
     num_hiddens: int
+    _takes = ("attention_mask", "causal", "score_mod", "mask_mod")
+
+    def _set_sizes(self, key_size: Any, query_size: Any, num_hiddens: Any) -> None:
+        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
 
     def _weight_shapes(self):
         return weight_shapes(self.key_size, self.query_size, self.num_hiddens)
+
+    def _build(self, **options: Any) -> None:
+        """W_k, W_q, w_v without bias, in this order (the frameworks' parameter order and
+        initial values), through the framework's ``_add_linear``."""
+        h = self.num_hiddens
+        for name, sizes in (("W_k", (self.key_size, h)), ("W_q", (self.query_size, h)), ("w_v", (h, 1))):
+            self._add_linear(name, *sizes, False, **options)
+
+    def _attention(self, queries, keys, values, valid_lens, dropout, need_weights, **keywords):
+        return self._additive(queries, keys, values, valid_lens, dropout, **keywords)  # always weights
 
 
 class MultiHeadWeights(CanonicalWeightsMixin):
@@ -168,6 +189,19 @@ class MultiHeadWeights(CanonicalWeightsMixin):
             kv_width=self._kv_hiddens(),
         )  # fmt: skip
 
+    def _build(self, **options: Any) -> None:
+        """W_q, W_k, W_v, W_o (with bias where ``bias``), in this order (the frameworks'
+        parameter order and initial values), through the framework's ``_add_linear``."""
+        shapes = self._weight_shapes()
+        for name in ("W_q", "W_k", "W_v", "W_o"):
+            rows, columns = shapes[name]
+            self._add_linear(name, columns, rows, self.bias, **options)
+
+    _takes = tuple(CALL_KEYWORDS)
+
+    def _attention(self, *args, **keywords):
+        return self._multi_head(*args, **keywords)
+
 
 class AttentionCall:
     """The call from a layer into the core, shared by every framework's classes.
@@ -194,6 +228,41 @@ class AttentionCall:
         """The framework's parameter of a canonical name (see ``_linear_and_field``)."""
         linear, field = self._linear_and_field(name)
         return getattr(linear, field)
+
+    # The call's keywords (dot-product attention's; AdditiveWeights and MultiHeadWeights say theirs)
+    _takes: Tuple[str, ...] = ("attention_mask", "causal", "score_mod", "mask_mod", "block_mask")
+
+    def _add_linear(self, name: str, in_size: int, out_size: int, bias: bool, **options: Any) -> None:
+        """The framework's hook: a linear map in_size -> out_size named ``name`` (for Keras, its
+        kernel and bias b_<name>), made with the framework's ``options``."""
+        raise NotImplementedError
+
+    def _wants_weights(self) -> bool:
+        """need_weights (additive attention has none: it always keeps its weights)."""
+        return getattr(self, "need_weights", True)
+
+    def _call_keywords(self, given: Mapping[str, Any], none_absent: bool = False) -> Dict[str, Any]:
+        """The keywords of a call, checked (TypeError for one this layer does not take, see
+        ``_no_unknown``; ``none_absent``: one of CALL_KEYWORDS given as None counts as not
+        given), as every keyword of ``_takes`` with its default where not given."""
+        unknown = {
+            name: value for name, value in given.items()
+            if name not in self._takes and not (none_absent and value is None and name in CALL_KEYWORDS)
+        }  # fmt: skip
+        self._no_unknown(unknown)
+        return {name: given.get(name, CALL_KEYWORDS[name]) for name in self._takes}
+
+    def _attend(self, queries, keys, values, valid_lens, dropout, keywords, keep_weights=False):
+        """(output, weights or None) of this layer's attention: what every framework's call
+        does with its inputs, its dropout now (None, or a function on the weights) and the
+        keywords it was given (a dict, see ``_call_keywords``); keep_weights: weights even
+        with need_weights=False (flax's return_weights)."""
+        keywords = self._call_keywords(keywords)
+        need_weights = self._wants_weights() or keep_weights
+        return self._attention(queries, keys, values, valid_lens, dropout, need_weights, **keywords)
+
+    def _attention(self, *args, **keywords):
+        return self._dot_product(*args, **keywords)
 
     def _no_unknown(self, unknown: dict) -> None:
         """TypeError for keywords the call does not take: did you mean, or ours for torch's."""

@@ -276,16 +276,24 @@ def keras_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any], A
         num_heads=H, key_dim=d, value_dim=d, dropout=cfg.dropout, use_bias=cfg.bias,
         output_shape=None if cfg.query_size == h else (h,),  # Keras' default: the query width
     )  # fmt: skip
-    arrays = {f"{KERAS_DENSE[n]}.kernel": w[f"W_{n}"].T.reshape(-1, H, d) for n in "qkv"}
-    arrays["output_dense.kernel"] = w["W_o"].T.reshape(H, d, h)
+    return (kwargs, *_to_einsum_dense(KERAS_DENSE, cfg, w, H))
+
+
+def _to_einsum_dense(denses: Mapping[str, str], cfg: Config, w: Arrays, Hkv: int) -> Tuple[Arrays, Dict]:
+    """(arrays, build shapes) of Keras' EinsumDense attention layers, with Hkv key/value heads."""
+    h, H = cfg.num_hiddens, cfg.num_heads
+    d = h // H
+    heads = dict(zip("qkv", (H, Hkv, Hkv)))
+    arrays = {f"{denses[n]}.kernel": w[f"W_{n}"].T.reshape(-1, heads[n], d) for n in "qkv"}
+    arrays[f"{denses['o']}.kernel"] = w["W_o"].T.reshape(H, d, h)
     if cfg.bias:
-        arrays.update({f"{KERAS_DENSE[n]}.bias": w[f"b_{n}"].reshape(H, d) for n in "qkv"})
-        arrays["output_dense.bias"] = w["b_o"]
+        arrays.update({f"{denses[n]}.bias": w[f"b_{n}"].reshape(heads[n], d) for n in "qkv"})
+        arrays[f"{denses['o']}.bias"] = w["b_o"]
     build = dict(
         query_shape=(None, None, cfg.query_size), value_shape=(None, None, cfg.value_size),
         key_shape=(None, None, cfg.key_size),
     )  # fmt: skip
-    return kwargs, {k: np.ascontiguousarray(v) for k, v in arrays.items()}, build
+    return {k: np.ascontiguousarray(v) for k, v in arrays.items()}, build
 
 
 # ------------------------------------ keras.layers.GroupQueryAttention (EinsumDense, grouped-query)
@@ -328,24 +336,7 @@ def keras_gqa_to(cfg: Config, weights: Mapping[str, Any]) -> Tuple[Dict[str, Any
     kwargs = dict(
         head_dim=d, num_query_heads=H, num_key_value_heads=Hkv, dropout=cfg.dropout, use_bias=cfg.bias
     )
-    arrays = {
-        f"{KERAS_GQA_DENSE[n]}.kernel": w[f"W_{n}"].T.reshape(-1, heads, d)
-        for n, heads in zip("qkv", (H, Hkv, Hkv))
-    }
-    arrays["_output_dense.kernel"] = w["W_o"].T.reshape(H, d, h)
-    if cfg.bias:
-        arrays.update(
-            {
-                f"{KERAS_GQA_DENSE[n]}.bias": w[f"b_{n}"].reshape(heads, d)
-                for n, heads in zip("qkv", (H, Hkv, Hkv))
-            }
-        )
-        arrays["_output_dense.bias"] = w["b_o"]
-    build = dict(
-        query_shape=(None, None, cfg.query_size), value_shape=(None, None, cfg.value_size),
-        key_shape=(None, None, cfg.key_size),
-    )  # fmt: skip
-    return kwargs, {k: np.ascontiguousarray(v) for k, v in arrays.items()}, build
+    return (kwargs, *_to_einsum_dense(KERAS_GQA_DENSE, cfg, w, Hkv))
 
 
 # --------------------------------------------------- flax.nnx.MultiHeadAttention (LinearGeneral)

@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-from flax.errors import TraceContextError
-from flax.nnx.nn.attention import dot_product_attention as _flax_attention
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("jax"):  # not installed: an error naming the install
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from flax.errors import TraceContextError
+    from flax.nnx.nn.attention import dot_product_attention as _flax_attention
 
 from ..backends.jax import ops, to_numpy
 from . import (
@@ -22,7 +25,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
     converters,
 )
 
@@ -53,8 +55,16 @@ class _Module(AttentionCall, nnx.Module):
     def _dropout_now(self):
         return self.dropout if not self.dropout.deterministic and self.dropout.rate > 0 else None
 
-    def _finish(self, result, return_weights: bool):
-        out, weights = result
+    def _add_linear(self, name, in_size, out_size, bias, **options):
+        setattr(self, name, nnx.Linear(in_size, out_size, use_bias=bias, **options))
+
+    def __call__(self, queries, keys, values, valid_lens=None, *, return_weights: bool = False, **keywords):
+        """The output, or (output, weights) with ``return_weights``; ``keywords``: attention_mask,
+        causal, score_mod, mask_mod, block_mask (not for additive attention) and cache
+        (multi-head attention only)."""
+        out, weights = self._attend(
+            queries, keys, values, valid_lens, self._dropout_now(), keywords, keep_weights=return_weights
+        )
         try:
             self._attention_weights.set_value(weights)
         except TraceContextError:
@@ -71,18 +81,6 @@ class DotProductAttention(_Module):
         super().__init__(dropout, rngs if rngs is not None else nnx.Rngs(0))
         self.need_weights = need_weights  # False: jax.nn.dot_product_attention, no weights kept
 
-    def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None,
-        **unknown,
-    ):  # fmt: skip
-        self._no_unknown(unknown)
-        result = self._dot_product(
-            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask,
-        )  # fmt: skip
-        return self._finish(result, return_weights)
-
 
 class AdditiveAttention(AdditiveWeights, _Module):
     """Additive attention with ``nnx.Linear(use_bias=False)`` maps; kernels are (in, out)."""
@@ -90,36 +88,16 @@ class AdditiveAttention(AdditiveWeights, _Module):
     _stored_in_out = True
 
     def __init__(
-        self,
-        key_size: int,
-        query_size: int,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        rngs: Optional[nnx.Rngs] = None,
-        param_dtype: Any = jnp.float32,
-    ) -> None:
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, *,
+        rngs: Optional[nnx.Rngs] = None, param_dtype: Any = jnp.float32,
+    ) -> None:  # fmt: skip
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         super().__init__(dropout, rngs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        linear = dict(use_bias=False, param_dtype=param_dtype, rngs=rngs)
-        self.W_k = nnx.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
-        self.w_v = nnx.Linear(self.num_hiddens, 1, **linear)
+        self._set_sizes(key_size, query_size, num_hiddens)
+        self._build(param_dtype=param_dtype, rngs=rngs)
 
     def _w_v(self):
         return self.w_v.kernel[...][:, 0]
-
-    def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None,
-        **unknown,
-    ):  # fmt: skip
-        self._no_unknown(unknown)
-        result = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return self._finish(result, return_weights)
 
 
 class MultiHeadAttention(MultiHeadWeights, _Module):
@@ -135,41 +113,16 @@ class MultiHeadAttention(MultiHeadWeights, _Module):
     _stored_in_out = True
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-        rngs: Optional[nnx.Rngs] = None,
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None, rngs: Optional[nnx.Rngs] = None,
         param_dtype: Any = jnp.float32,
-    ) -> None:
+    ) -> None:  # fmt: skip
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         super().__init__(dropout, rngs)
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
-        linear = dict(use_bias=self.bias, param_dtype=param_dtype, rngs=rngs)
-        self.W_q = nnx.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nnx.Linear(self.key_size, self._kv_hiddens(), **linear)
-        self.W_v = nnx.Linear(self.value_size, self._kv_hiddens(), **linear)
-        self.W_o = nnx.Linear(self.num_hiddens, self.num_hiddens, **linear)
-
-    def __call__(
-        self, queries, keys, values, valid_lens=None, *, attention_mask=None, causal=False,
-        return_weights: bool = False, score_mod=None, mask_mod=None, block_mask=None, cache=None,
-        **unknown,
-    ):  # fmt: skip
-        self._no_unknown(unknown)
-        result = self._multi_head(
-            queries, keys, values, valid_lens, self._dropout_now(), self.need_weights or return_weights,
-            attention_mask, causal, score_mod, mask_mod, block_mask=block_mask, cache=cache,
-        )  # fmt: skip
-        return self._finish(result, return_weights)
+        self._build(param_dtype=param_dtype, rngs=rngs)
 
     @classmethod
     def from_native(

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-import mlx.core as mx
-from mlx import nn
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("mlx"):  # not installed: an error naming the install
+    import mlx.core as mx
+    from mlx import nn
 
 from ..backends.mlx import from_numpy, ops, to_numpy
 from . import (
@@ -13,7 +16,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
     converters,
 )
 
@@ -36,6 +38,9 @@ class _Layer(AttentionCall, nn.Module):
     def _dropout_now(self):
         return self.dropout if self.training and self._rate > 0 else None
 
+    def _wants_weights(self) -> bool:
+        return getattr(self, "_need_weights", True)
+
     def _parameter(self, name):
         return self._variable(name)
 
@@ -45,6 +50,17 @@ class _Layer(AttentionCall, nn.Module):
         current = getattr(linear, field)
         setattr(linear, field, from_numpy(value.reshape(current.shape)).astype(current.dtype))
 
+    def _add_linear(self, name, in_size, out_size, bias):
+        setattr(self, name, nn.Linear(in_size, out_size, bias=bias))
+
+    def __call__(self, queries, keys, values, valid_lens=None, **keywords) -> mx.array:
+        """The output; ``keywords``: attention_mask, causal, score_mod, mask_mod, block_mask
+        (not for additive attention) and cache (multi-head attention only)."""
+        out, self._attention_weights = self._attend(
+            queries, keys, values, valid_lens, self._dropout_now(), keywords
+        )
+        return out
+
 
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; dropout in training mode only (``.train()``/``.eval()``)."""
@@ -53,68 +69,17 @@ class DotProductAttention(_Layer):
         super().__init__(dropout)
         self._need_weights = need_weights  # False: mx.fast.scaled_dot_product_attention, no weights
 
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ) -> mx.array:
-        self._no_unknown(unknown)
-        out, self._attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout_now(),
-            self._need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
-
 
 class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention with ``nn.Linear(bias=False)``; MLX stores weights (out, in)."""
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__(dropout)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias=False)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=False)
-        self.w_v = nn.Linear(self.num_hiddens, 1, bias=False)
+        self._set_sizes(key_size, query_size, num_hiddens)
+        self._build()
 
     def _w_v(self):
         return self.w_v.weight[0]
-
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        **unknown,
-    ) -> mx.array:
-        self._no_unknown(unknown)
-        out, self._attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return out
 
 
 class MultiHeadAttention(MultiHeadWeights, _Layer):
@@ -128,57 +93,14 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-    ) -> None:
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None,
+    ) -> None:  # fmt: skip
         super().__init__(dropout)
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self._need_weights = need_weights
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias=self.bias)
-        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), bias=self.bias)
-        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), bias=self.bias)
-        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, bias=self.bias)
-
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ) -> mx.array:
-        self._no_unknown(unknown)
-        out, self._attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout_now(),
-            self._need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out
+        self._build()
 
     @classmethod
     def from_native(cls, layer: nn.MultiHeadAttention) -> "MultiHeadAttention":

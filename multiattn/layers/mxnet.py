@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from mxnet import np
-from mxnet.gluon import nn
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("mxnet"):  # not installed: an error naming the install
+    from mxnet import np
+    from mxnet.gluon import nn
 
 from ..backends.mxnet import ops, to_numpy
 from . import (
@@ -14,7 +17,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
 )
 
 
@@ -23,38 +25,19 @@ class _Block(AttentionCall, nn.Block):
 
     _ops, _to_numpy = ops, staticmethod(to_numpy)
 
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        if cache is not None and not isinstance(self, MultiHeadWeights):
-            unknown["cache"] = cache
-        self._no_unknown(unknown)
-        # Gluon's Block.__call__ passes positional arguments only
-        decoding = () if cache is None else (cache,)
-        return super().__call__(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask,
-            *decoding,
-        )
+    def __call__(self, queries, keys, values, valid_lens=None, **keywords):
+        """The output; ``keywords``: attention_mask, causal, score_mod, mask_mod, block_mask
+        (not for additive attention) and cache (multi-head attention only); one this layer does
+        not take is ignored where None."""
+        keywords = self._call_keywords(keywords, none_absent=True)
+        # Gluon's Block.__call__ passes positional arguments only: the keywords in _takes' order
+        return super().__call__(queries, keys, values, valid_lens, *keywords.values())
+
+    def forward(self, queries, keys, values, valid_lens=None, *positional, **keywords):
+        """``positional``: the keywords of ``_takes`` in order (as ``__call__`` passes them)."""
+        keywords.update(zip(self._takes, positional))
+        out, self.attention_weights = self._attend(queries, keys, values, valid_lens, self.dropout, keywords)
+        return out
 
     def _parameter(self, name):
         return self._variable(name).data()
@@ -62,6 +45,15 @@ class _Block(AttentionCall, nn.Block):
     def _assign(self, name, value):
         param = self._variable(name)
         param.set_data(np.array(value.reshape(param.shape), dtype=param.dtype))
+
+    def _add_linear(self, name, in_size, out_size, bias):
+        setattr(self, name, nn.Dense(out_size, in_units=in_size, use_bias=bias, flatten=False))
+
+    def _add_dropout(self, dropout: float) -> None:
+        """The dropout and attention_weights, and the parameters initialised (the sizes are known)."""
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights = None
+        self.initialize()
 
 
 class DotProductAttention(_Block):
@@ -72,35 +64,6 @@ class DotProductAttention(_Block):
         self.dropout = nn.Dropout(check_dropout(dropout))
         self.need_weights = need_weights  # False: attention_weights is not kept
         self.attention_weights = None
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self.dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
 
 
 class AdditiveAttention(AdditiveWeights, _Block):
@@ -114,36 +77,12 @@ class AdditiveAttention(AdditiveWeights, _Block):
         self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
     ) -> None:
         super().__init__(**kwargs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        dense = dict(use_bias=False, flatten=False)
-        self.W_k = nn.Dense(self.num_hiddens, in_units=self.key_size, **dense)
-        self.W_q = nn.Dense(self.num_hiddens, in_units=self.query_size, **dense)
-        self.w_v = nn.Dense(1, in_units=self.num_hiddens, **dense)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights = None
-        self.initialize()
+        self._set_sizes(key_size, query_size, num_hiddens)
+        self._build()
+        self._add_dropout(dropout)
 
     def _w_v(self):
         return self.w_v.weight.data()[0]
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(dict(unknown, block_mask=block_mask) if block_mask is not None else unknown)
-        out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return out
 
 
 class MultiHeadAttention(MultiHeadWeights, _Block):
@@ -157,58 +96,12 @@ class MultiHeadAttention(MultiHeadWeights, _Block):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-        **kwargs: Any,
-    ) -> None:
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
-        dense = dict(use_bias=self.bias, flatten=False)
-        self.W_q = nn.Dense(self.num_hiddens, in_units=self.query_size, **dense)
-        self.W_k = nn.Dense(self._kv_hiddens(), in_units=self.key_size, **dense)
-        self.W_v = nn.Dense(self._kv_hiddens(), in_units=self.value_size, **dense)
-        self.W_o = nn.Dense(self.num_hiddens, in_units=self.num_hiddens, **dense)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights = None
-        self.initialize()
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self.dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out
+        self._build()
+        self._add_dropout(dropout)

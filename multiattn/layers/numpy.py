@@ -13,7 +13,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
 )
 
 Seed = Union[None, int, np.random.Generator]
@@ -57,6 +56,12 @@ class _Layer(AttentionCall):
     def _assign(self, name, value):
         setattr(self, name, value.astype(self.dtype))
 
+    def __call__(self, queries, keys, values, valid_lens=None, **keywords):
+        """The output; ``keywords``: attention_mask, causal, score_mod, mask_mod, block_mask
+        (not for additive attention) and cache (multi-head attention only)."""
+        out, self.attention_weights = self._attend(queries, keys, values, valid_lens, self._dropout, keywords)
+        return out
+
 
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; ``seed`` seeds the dropout masks."""
@@ -64,36 +69,6 @@ class DotProductAttention(_Layer):
     def __init__(self, dropout: float = 0.0, need_weights: bool = True, *, seed: Seed = None) -> None:
         super().__init__(dropout, seed)
         self.need_weights = need_weights  # False: attention_weights is not kept
-
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
 
 
 class AdditiveAttention(AdditiveWeights, _Layer):
@@ -105,40 +80,15 @@ class AdditiveAttention(AdditiveWeights, _Layer):
     """
 
     def __init__(
-        self,
-        key_size: int,
-        query_size: int,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        seed: Seed = None,
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, *, seed: Seed = None,
         dtype: Any = "float32",
-    ) -> None:
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+    ) -> None:  # fmt: skip
+        self._set_sizes(key_size, query_size, num_hiddens)
         super().__init__(dropout, seed)
         self._init_parameters(dtype)
 
     def _w_v(self):
         return self.w_v
-
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self._dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return out
 
 
 class MultiHeadAttention(MultiHeadWeights, _Layer):
@@ -153,53 +103,12 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-        seed: Seed = None,
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None, seed: Seed = None,
         dtype: Any = "float32",
-    ) -> None:
+    ) -> None:  # fmt: skip
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
         super().__init__(dropout, seed)
         self._init_parameters(dtype)
-
-    def __call__(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out

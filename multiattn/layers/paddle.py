@@ -5,8 +5,12 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-import paddle  # noqa: E402
-from paddle import nn  # noqa: E402
+
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("paddle"):  # not installed: an error naming the install
+    import paddle  # noqa: E402
+    from paddle import nn  # noqa: E402
 
 from .. import (
     _registry,
@@ -26,7 +30,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
     converters,
 )
 
@@ -64,45 +67,27 @@ class _Layer(AttentionCall, nn.Layer):
             paddle.to_tensor(np.ascontiguousarray(value.reshape(param.shape))).astype(param.dtype)
         )
 
+    def _add_linear(self, name, in_size, out_size, bias):
+        setattr(self, name, nn.Linear(in_size, out_size, bias_attr=None if bias else False))
+
+    def _add_dropout(self, dropout: float) -> None:
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[paddle.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None, **keywords):
+        """The output; ``keywords``: attention_mask, causal, score_mod, mask_mod, block_mask
+        (not for additive attention) and cache (multi-head attention only)."""
+        out, self.attention_weights = self._attend(queries, keys, values, valid_lens, self.dropout, keywords)
+        return out
+
 
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; dropout in train mode only (``.train()``/``.eval()``)."""
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self._add_dropout(dropout)
         self.need_weights = need_weights  # False: attention_weights is not kept
-        self.attention_weights: Optional[paddle.Tensor] = None
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self.dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
 
 
 class AdditiveAttention(AdditiveWeights, _Layer):
@@ -110,34 +95,12 @@ class AdditiveAttention(AdditiveWeights, _Layer):
 
     def __init__(self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, bias_attr=False)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, bias_attr=False)
-        self.w_v = nn.Linear(self.num_hiddens, 1, bias_attr=False)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights: Optional[paddle.Tensor] = None
+        self._set_sizes(key_size, query_size, num_hiddens)
+        self._build()
+        self._add_dropout(dropout)
 
     def _w_v(self):
         return self.w_v.weight[:, 0]
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return out
 
 
 class MultiHeadAttention(MultiHeadWeights, _Layer):
@@ -151,60 +114,15 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-    ) -> None:
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None,
+    ) -> None:  # fmt: skip
         super().__init__()
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
-        linear = dict(bias_attr=None if self.bias else False)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), **linear)
-        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), **linear)
-        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights: Optional[paddle.Tensor] = None
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self.dropout,
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out
+        self._build()
+        self._add_dropout(dropout)
 
     @classmethod
     def from_native(cls, layer: nn.MultiHeadAttention) -> "MultiHeadAttention":

@@ -11,7 +11,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import numpy as np
-import tensorflow as tf
+
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("tensorflow"):  # not installed: an error naming the install
+    import tensorflow as tf
 
 from ..backends.tensorflow import keras, ops, to_numpy
 from . import (
@@ -20,7 +24,6 @@ from . import (
     CanonicalWeightsMixin,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
     converters,
 )
 
@@ -50,11 +53,28 @@ class _Layer(AttentionCall, keras.layers.Layer):
         variable = getattr(self, name)
         variable.assign(np.asarray(value.reshape(variable.shape), dtype=variable.dtype))
 
+    def _call(self, queries, keys, values, valid_lens, training, taken, unknown):
+        """What every ``call`` does: ``taken``, the values of its keywords (``_takes``, in order;
+        Keras' functional API needs them in the signature), ``unknown``, its ``**unknown``."""
+        keywords = {**dict(zip(self._takes, taken)), **unknown}
+        out, self.attention_weights = self._attend(
+            queries, keys, values, valid_lens, self._dropout(training), keywords
+        )
+        return out
+
 
 class _Weighted(CanonicalWeightsMixin, _Layer):
     """Keras' own get_weights() list stays available as get_weights(format="keras")."""
 
     _stored_in_out = True
+
+    def _add_linear(self, name, in_size, out_size, bias):
+        """A kernel (in, out) (glorot_uniform, as Dense) and, with bias, b_<name> (zeros)."""
+        kernel = dict(shape=(in_size, out_size), name=name, initializer="glorot_uniform")
+        setattr(self, name, self.add_weight(**kernel))
+        if bias:
+            b = "b" + name[1:]
+            setattr(self, b, self.add_weight(shape=(out_size,), name=b, initializer="zeros"))
 
     def get_weights(self, format: str = "canonical"):  # noqa: A002 - Keras' name
         """The canonical dict; ``format="keras"`` gives Keras' list of variables (in, out)."""
@@ -81,34 +101,11 @@ class DotProductAttention(_Layer):
         self.need_weights = need_weights  # False: attention_weights is not kept (no fused TF kernel)
 
     def call(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        training=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout(training),
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
+        self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False,
+        score_mod=None, mask_mod=None, block_mask=None, **unknown,
+    ):  # fmt: skip
+        taken = (attention_mask, causal, score_mod, mask_mod, block_mask)
+        return self._call(queries, keys, values, valid_lens, training, taken, unknown)
 
     def get_config(self):
         return {**super().get_config(), "need_weights": self.need_weights}
@@ -127,43 +124,20 @@ class AdditiveAttention(AdditiveWeights, _Weighted):
         self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, **kwargs: Any
     ) -> None:
         super().__init__(dropout, **kwargs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
+        self._set_sizes(key_size, query_size, num_hiddens)
         # The sizes are known now: create the weights at once so get/set_weights work before a call.
-        kernel = dict(initializer="glorot_uniform", trainable=True)
-        self.W_k = self.add_weight(shape=(self.key_size, self.num_hiddens), name="W_k", **kernel)
-        self.W_q = self.add_weight(shape=(self.query_size, self.num_hiddens), name="W_q", **kernel)
-        self.w_v = self.add_weight(shape=(self.num_hiddens, 1), name="w_v", **kernel)
+        self._build()
         self.built = True
 
     def _w_v(self):
         return tf.reshape(self.w_v, [-1])
 
     def call(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        training=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._additive(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout(training),
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-        )
-        return out
+        self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False,
+        score_mod=None, mask_mod=None, **unknown,
+    ):  # fmt: skip
+        taken = (attention_mask, causal, score_mod, mask_mod)
+        return self._call(queries, keys, values, valid_lens, training, taken, unknown)
 
     def get_config(self):
         return {
@@ -186,63 +160,22 @@ class MultiHeadAttention(MultiHeadWeights, _Weighted):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-        **kwargs: Any,
-    ) -> None:
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(dropout, **kwargs)
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
         self.need_weights = need_weights
-        shapes = self._weight_shapes()
-        for name in "qkvo":  # W_q, b_q, W_k, ...: Keras' weight list and saved files keep this order
-            rows, columns = shapes["W_" + name]
-            setattr(self, "W_" + name, self.add_weight(shape=(columns, rows), name="W_" + name))
-            if self.bias:
-                setattr(
-                    self, "b_" + name, self.add_weight(shape=(rows,), name="b_" + name, initializer="zeros")
-                )
+        self._build()  # W_q, b_q, W_k, ...: Keras' weight list and saved files keep this order
         self.built = True
 
     def call(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        training=None,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout(training),
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out
+        self, queries, keys, values, valid_lens=None, training=None, attention_mask=None, causal=False,
+        score_mod=None, mask_mod=None, block_mask=None, cache=None, **unknown,
+    ):  # fmt: skip
+        taken = (attention_mask, causal, score_mod, mask_mod, block_mask, cache)
+        return self._call(queries, keys, values, valid_lens, training, taken, unknown)
 
     def get_config(self):
         return {

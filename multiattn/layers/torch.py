@@ -9,8 +9,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
-from torch import nn
+from .._registry import framework_imports  # noqa: E402
+
+with framework_imports("torch"):  # not installed: an error naming the install
+    import torch
+    from torch import nn
 
 from ..backends.torch import ops, to_numpy
 from . import (
@@ -18,7 +21,6 @@ from . import (
     AttentionCall,
     MultiHeadWeights,
     check_dropout,
-    check_sizes,
     converters,
 )
 
@@ -47,91 +49,45 @@ class _Layer(AttentionCall, nn.Module):
     def _dropout_now(self):
         return self.dropout if self.training and self.dropout.p > 0 else None
 
+    def _add_linear(self, name, in_size, out_size, bias, **options):
+        setattr(self, name, nn.Linear(in_size, out_size, bias=bias, **options))
+
+    def _add_dropout(self, dropout: float) -> None:
+        self.dropout = nn.Dropout(check_dropout(dropout))
+        self.attention_weights: Optional[torch.Tensor] = None
+
+    def forward(self, queries, keys, values, valid_lens=None, **keywords):
+        """The output; ``keywords``: attention_mask, causal, score_mod, mask_mod, block_mask
+        (not for additive attention) and cache (multi-head attention only)."""
+        out, self.attention_weights = self._attend(
+            queries, keys, values, valid_lens, self._dropout_now(), keywords
+        )
+        return out
+
 
 class DotProductAttention(_Layer):
     """Scaled dot-product attention; dropout on the weights in training mode only."""
 
     def __init__(self, dropout: float = 0.0, need_weights: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self._add_dropout(dropout)
         self.need_weights = need_weights  # False: fused SDPA kernel, attention_weights stays None
-        self.attention_weights: Optional[torch.Tensor] = None
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._dot_product(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout_now(),
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-        )
-        return out
 
 
 class AdditiveAttention(AdditiveWeights, _Layer):
     """Additive attention (d2l 11.3.2); ``device``/``dtype`` go to the nn.Linear layers."""
 
     def __init__(
-        self,
-        key_size: int,
-        query_size: int,
-        num_hiddens: int,
-        dropout: float = 0.0,
-        *,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        **kwargs: Any,
-    ) -> None:
+        self, key_size: int, query_size: int, num_hiddens: int, dropout: float = 0.0, *, device: Any = None,
+        dtype: Optional[torch.dtype] = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
-        self.key_size, self.query_size, self.num_hiddens = check_sizes(key_size, query_size, num_hiddens)
-        linear = dict(bias=False, device=device, dtype=dtype)
-        self.W_k = nn.Linear(self.key_size, self.num_hiddens, **linear)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.w_v = nn.Linear(self.num_hiddens, 1, **linear)
-        self.dropout = nn.Dropout(check_dropout(dropout))
-        self.attention_weights: Optional[torch.Tensor] = None
+        self._set_sizes(key_size, query_size, num_hiddens)
+        self._build(device=device, dtype=dtype)
+        self._add_dropout(dropout)
 
     def _w_v(self):
         return self.w_v.weight[0]
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._additive(
-            queries, keys, values, valid_lens, self.dropout, attention_mask, causal, score_mod, mask_mod
-        )
-        return out
 
 
 class MultiHeadAttention(MultiHeadWeights, _Layer):
@@ -147,63 +103,16 @@ class MultiHeadAttention(MultiHeadWeights, _Layer):
     """
 
     def __init__(
-        self,
-        num_hiddens: int,
-        num_heads: int,
-        dropout: float = 0.0,
-        bias: bool = False,
-        *,
-        query_size: Optional[int] = None,
-        key_size: Optional[int] = None,
-        value_size: Optional[int] = None,
-        need_weights: bool = True,
-        num_kv_heads: Optional[int] = None,
-        device: Any = None,
-        dtype: Optional[torch.dtype] = None,
-        **kwargs: Any,
-    ) -> None:
+        self, num_hiddens: int, num_heads: int, dropout: float = 0.0, bias: bool = False, *,
+        query_size: Optional[int] = None, key_size: Optional[int] = None, value_size: Optional[int] = None,
+        need_weights: bool = True, num_kv_heads: Optional[int] = None, device: Any = None,
+        dtype: Optional[torch.dtype] = None, **kwargs: Any,
+    ) -> None:  # fmt: skip
         super().__init__(**kwargs)
         self._set_sizes(num_hiddens, num_heads, (query_size, key_size, value_size), bias, num_kv_heads)
-        linear = dict(bias=self.bias, device=device, dtype=dtype)
-        self.W_q = nn.Linear(self.query_size, self.num_hiddens, **linear)
-        self.W_k = nn.Linear(self.key_size, self._kv_hiddens(), **linear)
-        self.W_v = nn.Linear(self.value_size, self._kv_hiddens(), **linear)
-        self.W_o = nn.Linear(self.num_hiddens, self.num_hiddens, **linear)
-        self.dropout = nn.Dropout(check_dropout(dropout))
+        self._build(device=device, dtype=dtype)
+        self._add_dropout(dropout)
         self.need_weights = need_weights
-        self.attention_weights: Optional[torch.Tensor] = None
-
-    def forward(
-        self,
-        queries,
-        keys,
-        values,
-        valid_lens=None,
-        *,
-        attention_mask=None,
-        causal=False,
-        score_mod=None,
-        mask_mod=None,
-        block_mask=None,
-        cache=None,
-        **unknown,
-    ):
-        self._no_unknown(unknown)
-        out, self.attention_weights = self._multi_head(
-            queries,
-            keys,
-            values,
-            valid_lens,
-            self._dropout_now(),
-            self.need_weights,
-            attention_mask,
-            causal,
-            score_mod,
-            mask_mod,
-            block_mask=block_mask,
-            cache=cache,
-        )
-        return out
 
     @classmethod
     def from_native(cls, layer: nn.MultiheadAttention) -> "MultiHeadAttention":
