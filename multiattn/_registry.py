@@ -206,3 +206,15 @@ def tensor_check(name: str) -> Callable[..., None]:
 
 def is_imported(name: str) -> bool:
     return BACKENDS[name][0] in sys.modules
+
+
+def layer_exports(backend: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``multiattn.backends.<backend>`` that hands out the layer
+    classes of ``multiattn.layers.<backend>`` on first use (no import cycle)."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr in ("AdditiveAttention", "DotProductAttention", "MultiHeadAttention"):
+            return getattr(importlib.import_module(f"multiattn.layers.{backend}"), attr)
+        raise AttributeError(f"module 'multiattn.backends.{backend}' has no attribute {attr!r}")
+
+    return __getattr__

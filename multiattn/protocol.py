@@ -366,17 +366,3 @@ def per_row(lens: Tensor) -> Tensor:
     """Lengths (B,) as (B, 1, 1), (B, Q) as (B, Q, 1): against positions (K,) they give the
     (B, 1|Q, K) mask of ``length_mask``."""
     return lens[:, None, None] if len(lens.shape) == 1 else lens[:, :, None]
-
-
-def layer_exports(backend: str) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``multiattn.backends.<backend>`` that hands out the layer
-    classes of ``multiattn.layers.<backend>`` on first use (no import cycle)."""
-
-    def __getattr__(attr: str) -> Any:
-        if attr in LAYER_EXPORTS:
-            import importlib
-
-            return getattr(importlib.import_module(f"multiattn.layers.{backend}"), attr)
-        raise AttributeError(f"module 'multiattn.backends.{backend}' has no attribute {attr!r}")
-
-    return __getattr__

@@ -100,3 +100,6 @@ def test_the_protocol_imports_no_other_multiattn_module():
     ]
     relative = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
     assert not relative and not [name for name in imported if name.startswith("multiattn")], imported
+    # nor dynamically: no importlib, no __import__
+    assert imported == [name for name in imported if name in ("__future__", "math", "typing")], imported
+    assert "import_module" not in ast.unparse(tree) and "__import__" not in ast.unparse(tree)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-from .._registry import framework_imports  # noqa: E402
+from .._registry import framework_imports, layer_exports  # noqa: E402
 
 with framework_imports("jax"):  # not installed: an error naming the install
     import jax
@@ -21,7 +21,6 @@ import numpy as np
 from .. import fast_paths
 from ..cache import KVCache
 from ..functional import bind
-from ..protocol import layer_exports
 from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .._registry import framework_imports  # noqa: E402
+from .._registry import framework_imports, layer_exports  # noqa: E402
 
 with framework_imports("mxnet"):  # not installed: an error naming the install
     import mxnet as mx
@@ -22,7 +22,7 @@ from .. import fast_paths
 from .._machine import measured_faster
 from ..adapter import Ops
 from ..functional import bind
-from ..protocol import layer_exports, per_row
+from ..protocol import per_row
 
 npx.set_np()
 

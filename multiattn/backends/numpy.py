@@ -10,8 +10,8 @@ from typing import Any, Optional
 import numpy as np
 
 from .. import fast_paths
+from .._registry import layer_exports
 from ..functional import bind
-from ..protocol import layer_exports
 from .numpy_like import NumpyLikeOps
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16")

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._registry import BackendImportError, framework_imports
+from .._registry import BackendImportError, framework_imports, layer_exports
 from ..validation import InputDtypeError
 
 if "paddle" not in sys.modules and ({"tensorflow", "keras"} & set(sys.modules)):
@@ -35,7 +35,7 @@ with framework_imports("paddle"):  # not installed: an error naming the install
 from .. import fast_paths  # noqa: E402
 from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import dtype_kind_by_dtype, layer_exports, per_row  # noqa: E402
+from ..protocol import dtype_kind_by_dtype, per_row  # noqa: E402
 
 _CAUSAL: dict = {}  # (queries, keys, place) -> the causal mask
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU

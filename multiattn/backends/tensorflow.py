@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._registry import BackendImportError, framework_imports
+from .._registry import BackendImportError, framework_imports, layer_exports
 
 if os.environ.get("KERAS_BACKEND", "tensorflow") != "tensorflow":
     raise BackendImportError(
@@ -41,7 +41,7 @@ if (
 from .. import mods  # noqa: E402
 from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import layer_exports, per_row  # noqa: E402
+from ..protocol import per_row  # noqa: E402
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}

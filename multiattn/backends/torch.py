@@ -19,7 +19,6 @@ from .. import _registry, blockwise, fast_paths
 from .._machine import l2_cache_bytes, measured_faster
 from ..adapter import Ops
 from ..functional import bind
-from ..protocol import layer_exports
 
 SUPPORTED_DTYPES = ("float32", "float64", "float16", "bfloat16")
 DTYPE_NOTES: dict = {}
@@ -656,7 +655,7 @@ def least_threshold() -> int:
 TorchOps.specialised_from = least_threshold()
 ops = TorchOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
-__getattr__ = layer_exports("torch")
+__getattr__ = _registry.layer_exports("torch")
 # the registry knows torch's tensors and this module from import on: torch.compile traces its
 # lookups, and a lookup that fills it while traced would be guarded on and recompile
 for _tensor in (torch.empty(0), torch.nn.Parameter(torch.empty(0))):
