@@ -39,6 +39,32 @@ def cpu_model() -> str:
     )
 
 
+def interleaved(runs: dict, rounds: int, budget_s: float, torch) -> dict:
+    """Medians over rounds of each run's mean ms per call, the runs interleaved round by round
+    (a busy machine slows them alike); the calls per round fill budget_s."""
+    start = time.perf_counter()
+    for fn in runs.values():
+        fn()
+    per_round = max(1, int(budget_s / rounds / max(time.perf_counter() - start, 1e-6)))
+    times: dict = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            times[name].append((time.perf_counter() - start) / per_round * 1e3)
+    found = {name: round(statistics.median(t), 4) for name, t in times.items()}
+    return {
+        "ms": found,
+        "compiled/eager": round(found["compiled"] / found["eager"], 2),
+        "calls_per_round": per_round,
+        "rounds": rounds,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+    }
+
+
 def measure(shape: tuple, rounds: int, budget_s: float) -> dict:
     sys.path.insert(0, str(HERE.parent))
     import torch
@@ -58,33 +84,12 @@ def measure(shape: tuple, rounds: int, budget_s: float) -> dict:
     compile_s = time.perf_counter() - start
     torch.testing.assert_close(compiled(q, k, v), call(q, k, v))
     runs = {
-        "eager": call,
-        "compiled": compiled,
-        "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "eager": lambda: call(q, k, v),
+        "compiled": lambda: compiled(q, k, v),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
     }
-    start = time.perf_counter()
-    for fn in runs.values():
-        fn(q, k, v)
-    per_round = max(1, int(budget_s / rounds / 3 / max(time.perf_counter() - start, 1e-6) * 3))
-    times: dict = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            for _ in range(per_round):
-                fn(q, k, v)
-            times[name].append((time.perf_counter() - start) / per_round * 1e3)
-    found = {name: round(statistics.median(t), 3) for name, t in times.items()}
-    return {
-        "shape": list(shape),
-        "ms": found,
-        "compiled/eager": round(found["compiled"] / found["eager"], 2),
-        "calls_per_round": per_round,
-        "rounds": rounds,
-        "compile_s": round(compile_s, 1),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-    }
+    found = interleaved(runs, rounds, budget_s, torch)
+    return {"shape": list(shape), **found, "compile_s": round(compile_s, 1)}
 
 
 def measure_decode(sizes: tuple, rounds: int, budget_s: float) -> dict:
@@ -122,29 +127,9 @@ def measure_decode(sizes: tuple, rounds: int, budget_s: float) -> dict:
         runs["compiled"]()
         compile_s = time.perf_counter() - start
         torch.testing.assert_close(runs["compiled"](), runs["eager"]())
-        start = time.perf_counter()
-        for fn in runs.values():
-            fn()
-        per_round = max(1, int(budget_s / rounds / 2 / max(time.perf_counter() - start, 1e-6) * 2))
-        times: dict = {name: [] for name in runs}
-        for _ in range(rounds):
-            for name, fn in runs.items():
-                start = time.perf_counter()
-                for _ in range(per_round):
-                    fn()
-                times[name].append((time.perf_counter() - start) / per_round * 1e3)
-    found = {name: round(statistics.median(t), 4) for name, t in times.items()}
-    return {
-        "decode": dict(zip(("batch", "heads", "kv_heads", "dim", "capacity", "length"), sizes)),
-        "ms": found,
-        "compiled/eager": round(found["compiled"] / found["eager"], 2),
-        "calls_per_round": per_round,
-        "rounds": rounds,
-        "compile_s": round(compile_s, 1),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": cpu_model(),
-    }
+        found = interleaved(runs, rounds, budget_s, torch)
+    sizes = dict(zip(("batch", "heads", "kv_heads", "dim", "capacity", "length"), sizes))
+    return {"decode": sizes, **found, "compile_s": round(compile_s, 1)}
 
 
 def main(argv=None) -> int:
