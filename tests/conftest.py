@@ -77,10 +77,23 @@ def backends_under_test() -> list[str]:
 _WITHOUT_LAYERS: dict[str, int] = {}
 
 
+# tox's all env: only what a shared environment can test (each backend's own env runs the rest)
+SHARED_ONLY = os.environ.get("MULTIATTN_TEST_SHARED_ONLY", "") == "1"
+
+
+def _frameworks_together(item, needed: list) -> bool:
+    """Whether a test takes two frameworks other than numpy into one process (a pair of
+    backends, two backend markers) or is marked shared (every backend under test at once)."""
+    params = getattr(item, "callspec", None) and item.callspec.params or {}
+    named = set(needed) | set(params.get("pair", ())) | ({params["bk"]} if "bk" in params else set())
+    return item.get_closest_marker("shared") is not None or len(named - {"numpy"}) >= 2
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked backend(name) run when that backend is under test, else are deselected;
     tests marked layers (of the layer classes) are deselected, and counted in the summary,
-    for a backend that has none (array_api: functions only)."""
+    for a backend that has none (array_api: functions only).  MULTIATTN_TEST_SHARED_ONLY=1
+    (tox's all env) keeps only the tests of several frameworks in one process."""
     keep, drop = [], []
     for item in items:
         needed = [marker.args[0] for marker in item.iter_markers("backend")]
@@ -89,7 +102,8 @@ def pytest_collection_modifyitems(config, items):
             _WITHOUT_LAYERS[bk] = _WITHOUT_LAYERS.get(bk, 0) + 1
             drop.append(item)
             continue
-        (keep if all(name in _TESTED for name in needed) else drop).append(item)
+        wanted = all(name in _TESTED for name in needed)
+        (keep if wanted and (not SHARED_ONLY or _frameworks_together(item, needed)) else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -413,6 +413,7 @@ def test_the_page_comparison_command_of_tox(tmp_path):
     assert wrong.returncode == 2 and "usage: python -m multiattn.check.native_report" in wrong.stderr
 
 
+@pytest.mark.shared
 def test_the_committed_page_is_current():
     """What `tox` checks (the `native` commands), for the frameworks under test (run in this
     process): the committed page's tables are a fresh run's; and it has every implementation's rows."""
