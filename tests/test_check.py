@@ -25,8 +25,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "multiattn", *args], capture_output=True, text=True)
 
 
-@pytest.mark.shared
-def test_check_passes_on_the_backends_under_test(tmp_path):
+def test_check_passes_on_the_backends_under_test(tmp_path):  # all env: its `multiattn check` command
     backends = ",".join(backends_under_test())
     result = run_cli("check", "--backends", backends, "--json", str(tmp_path / "out.json"))
     assert result.returncode == 0, result.stdout + result.stderr
