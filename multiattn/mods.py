@@ -188,9 +188,14 @@ class Index:
         return self.ints
 
 
+def call_with_positions_as(fn: Callable, args: tuple, position: Callable) -> Tensor:
+    """fn on args whose last four, the positions, are position(x) (``Ops.call_mod``)."""
+    return fn(*args[:-4], *(position(x) for x in args[-4:]))
+
+
 def call_with_index(ops: Ops, fn: Callable, args: tuple, like: Tensor) -> Tensor:
     """fn on args whose last four, the positions, are wrapped in ``Index`` (``Ops.call_mod``)."""
-    return fn(*args[:-4], *(Index(x, ops, like) for x in args[-4:]))
+    return call_with_positions_as(fn, args, lambda x: Index(x, ops, like))
 
 
 def _native(x: Any) -> Any:

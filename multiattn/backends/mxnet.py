@@ -18,7 +18,7 @@ with framework_imports("mxnet"):  # not installed: an error naming the install
 
 import numpy as onp
 
-from .. import fast_paths
+from .. import fast_paths, mods
 from .._machine import measured_faster
 from ..adapter import Ops
 from ..functional import bind
@@ -149,7 +149,7 @@ class MxnetOps(Ops):
     def call_mod(self, fn, args, like):
         # int64 * 0.1 gives integers; mxnet indexes with floats, exact as integers in float32
         dtype = self.widen(like).dtype
-        return fn(*args[:-4], *(x.astype(dtype) for x in args[-4:]))
+        return mods.call_with_positions_as(fn, args, lambda x: x.astype(dtype))
 
     def positions(self, start, stop, like):
         return np.arange(start, stop, dtype="int64", ctx=like.ctx)

@@ -32,7 +32,7 @@ with framework_imports("paddle"):  # not installed: an error naming the install
     import paddle  # noqa: E402
     from paddle import nn  # noqa: E402
 
-from .. import fast_paths  # noqa: E402
+from .. import fast_paths, mods  # noqa: E402
 from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
 from ..protocol import dtype_kind_by_dtype, per_row  # noqa: E402
@@ -186,8 +186,7 @@ class PaddleOps(Ops):
         return paddle.arange(start, stop)
 
     def call_mod(self, fn, args, like):
-        positions = _positions_class(like.dtype)
-        return fn(*args[:-4], *(positions(x) for x in args[-4:]))
+        return mods.call_with_positions_as(fn, args, _positions_class(like.dtype))
 
     def constant(self, values, like):
         return paddle.to_tensor(values, place=like.place)
