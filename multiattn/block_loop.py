@@ -1,6 +1,6 @@
 """One loop over the block map, the loop a compiler sees.
 
-The online softmax of ``blockwise`` (its formulas, its ``_online`` and ``_finish``), for each
+The online softmax (``state``: ``block_sums``, ``finish``), for each
 query block over the key blocks the map keeps, and its backward recomputed from lse, written
 with ``Ops.loop``, ``Ops.map_rows`` and ``Ops.rows_at``.  Where those are the framework's loop
 primitives (``Ops.loop_primitives``: jax's ``lax``, tensorflow's ``while_loop``), a compiler
@@ -18,10 +18,10 @@ import numpy as np
 
 from . import blockwise, heads, mods
 from .masks import Masks, all_of, visible_values
+from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, weights
 
 Tensor = Any
 Ops = Any
-NEG_INF = float("-inf")
 # the automatic block side at most: past it a block's passes, unfused in tensorflow's loop, cost
 # more than the fewer steps save (benchmarks/RESULTS.md, 2026-12-05 fourth session)
 MAX_BLOCK = 1024
@@ -111,7 +111,7 @@ class _Blocks:
             for axis, rows in ((-2, self.q_rows), (-1, self.k_rows)):
                 if ops.shape(self.mask)[axis] != 1:  # else broadcast
                     self.mask = _padded(ops, self.mask, rows, axis)
-        self.some = not masks.none or self.k_rows != bmap.n_keys
+        self.some = not masks.none or (self.q_rows, self.k_rows) != (bmap.n_queries, bmap.n_keys)
 
     def q(self, x: Tensor) -> Tensor:
         return _padded(self.ops, x, self.q_rows)
@@ -127,6 +127,8 @@ class _Blocks:
         k_pos = ops.positions(0, b, like) + k0
         if self.k_rows != self.bmap.n_keys:  # the padding
             found.append(k_pos < self.bmap.n_keys)
+        if self.q_rows != self.bmap.n_queries:  # a padded query's score with a key of -inf is NaN
+            found.append(ops.expand_dims(ops.positions(0, b, like) + q0, -1) < self.bmap.n_queries)
         if masks.causal:
             found.append(k_pos <= ops.expand_dims(ops.positions(0, b, like) + q0, -1))
         if self.lens is not None:
@@ -176,14 +178,10 @@ def _forward(ops, bmap, queries, keys, values, masks, scale):
         def key_block(j, state):
             k0 = blocks.kv_index[i][j] * b
             s, v, _ = blocks.scores(q, ops.rows_at(k_all, k0, b), ops.rows_at(v_all, k0, b), q0, k0)
-            return blockwise._online(ops, s, v, state)
+            return block_sums(ops, s, v, None, state)
 
-        start = (
-            ops.zeros(rows + (1,), q) + NEG_INF,
-            ops.zeros(rows + (1,), q),
-            ops.zeros(rows + (ops.shape(values)[-1],), q),
-        )
-        return blockwise._finish(ops, ops.loop(blocks.kv_count[i], key_block, start))
+        start = empty(ops, rows, ops.shape(values)[-1], q)
+        return finish(ops, ops.loop(blocks.kv_count[i], key_block, start))
 
     out, lse = ops.map_rows(query_block, len(bmap.kv_count), (queries, queries))
     n = bmap.n_queries
@@ -202,9 +200,9 @@ def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, s
     row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
     if d_lse is not None:
         row_dot = row_dot - ops.widen(d_lse)
-    q_all, qs_all, do_all = blocks.q(queries), blocks.q(queries * scale), blocks.q(d_out)
-    lse_all, dot_all = blocks.q(blockwise._finite(ops, lse)), blocks.q(row_dot)
-    k_all, v_all = blocks.k(keys), blocks.k(values)
+    q_all, qs_all, do_all = blocks.q(finite_factor(ops, queries)), blocks.q(queries * scale), blocks.q(d_out)
+    lse_all, dot_all = blocks.q(finite(ops, lse)), blocks.q(row_dot)  # finite_factor: the row rule
+    k_all, kf_all, v_all = blocks.k(keys), blocks.k(finite_factor(ops, keys)), blocks.k(values)
 
     def block(x, start):
         return ops.rows_at(x, start, b)
@@ -213,13 +211,13 @@ def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, s
         """(P, dS, the query block, dO's) of the block at (q0, k0)."""
         q, do = block(q_all, q0), block(do_all, q0)
         s, v, _ = blocks.scores(block(qs_all, q0), block(k_all, k0), block(v_all, k0), q0, k0)
-        p = ops.exp(s - block(lse_all, q0))
+        p = weights(ops, s, block(lse_all, q0))
         return p, p * (heads.matmul_t(ops, do, v) - block(dot_all, q0)), q, do
 
     def d_query_block(i):  # dQ = scale dS K
         def key_block(j, state):
             k0 = blocks.kv_index[i][j] * b
-            return (state[0] + heads.matmul(ops, d_scores(i * b, k0)[1], block(k_all, k0)),)
+            return (state[0] + heads.matmul(ops, d_scores(i * b, k0)[1], block(kf_all, k0)),)
 
         start = (ops.zeros(ops.shape(block(q_all, 0)), q_all),)
         return (ops.loop(blocks.kv_count[i], key_block, start)[0] * scale,)

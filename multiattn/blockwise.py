@@ -28,10 +28,10 @@ import numpy as np
 
 from . import _machine, heads
 from .masks import Masks, all_of, visible_values
+from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, merge_sums, weights
 
 Tensor = Any
 Ops = Any
-NEG_INF = float("-inf")
 
 # What the scores of one call may take before the automatic choice computes them in blocks.
 SCORES_BUDGET_BYTES = int(os.environ.get("MULTIATTN_SCORES_BUDGET_BYTES", 64 << 20))
@@ -415,12 +415,8 @@ def attention_in_blocks(
         if row:
             out, lse = _run_row(ops, q_block, row, compile_rows, finished=compile_steps)
         else:  # every key block hidden: nothing to attend to
-            shape = tuple(ops.shape(q_block)[:-1])
-            total = ops.zeros(shape + (1,), values)
-            out, lse = _finish(
-                ops, (ops.log(total), total, ops.zeros(shape + (ops.shape(values)[-1],), values))
-            )
-        ops.settle((out, lse))  # lazy frameworks: m and l would keep every block of scores alive
+            out, lse = finish(ops, empty(ops, tuple(ops.shape(q_block)[:-1]), ops.shape(values)[-1], values))
+        ops.settle((out, lse))  # lazy frameworks: the sums would keep every block of scores alive
         found.append((out, lse))
     found.extend(_run_rows(ops, pending))
     outs, lses = [out for out, _ in found], [lse for _, lse in found]
@@ -542,15 +538,7 @@ def _row(
     for step, count in zip(steps, counts):
         state = step(q, *tensors[at : at + count], *state)
         at += count
-    return _finish(ops, state) if last else state
-
-
-def _finish(ops: Ops, state: tuple) -> Tuple[Tensor, Tensor]:
-    """(output O / l, lse m + log l) from the running (m, l, O)."""
-    m, total, o = state
-    # m is -inf where no visible score was finite: 0 there, even where a framework's
-    # exp(-inf) is a denormal rather than 0 (paddle's), which would leave the sum and o not 0
-    return ops.where(m != NEG_INF, o / ops.maximum(total, TINY), 0.0), m + ops.log(total)
+    return finish(ops, state) if last else state
 
 
 def _step(
@@ -571,7 +559,7 @@ def _step(
 
 
 def _finishing(ops: Ops, step: Callable[..., tuple], *tensors: Tensor) -> Tuple[Tensor, Tensor]:
-    return _finish(ops, step(*tensors))
+    return finish(ops, step(*tensors))
 
 
 _STEPS: dict = {}
@@ -601,22 +589,22 @@ def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) ->
 
 
 def _full(ops, score, q, k, v, *state):
-    return _online(ops, score(q, k), v, state or None)
+    return block_sums(ops, score(q, k), v, None, state or None)
 
 
 def _full_fused(ops, score, q, k, v, *state):
     w, lse = ops.softmax_with_lse(score(q, k))
-    return _merged(ops, w, lse, v, state or None)
+    return _merge_fused(ops, w, lse, v, state or None)
 
 
 def _partial_fused(ops, score, q, k, v, bias, column, row_bias, *state):  # ``Plan.hidden_by_bias``
     w, lse = ops.softmax_with_lse(score(q, k) + bias, column)
-    return _merged(ops, w, lse + row_bias, v, state or None)
+    return _merge_fused(ops, w, lse + row_bias, v, state or None)
 
 
 def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 0, not 0 * NaN
     v = visible_values(ops, v, seen) if mask_values else v
-    return _online(ops, score(q, k), v, state or None, seen)
+    return block_sums(ops, score(q, k), v, seen, state or None)
 
 
 def known_finite(ops: Ops, x: Tensor) -> bool:
@@ -637,7 +625,7 @@ def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, 
     for r0, r1, width in ((0, half, half), (half, side, side)):
         s = score_at(r0, r1, 0, width)(rows(q, r0, r1), rows(k, 0, width))
         part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(_online(ops, s, rows(v, 0, width), part, seen[r0:r1, :width]))
+        found.append(block_sums(ops, s, rows(v, 0, width), seen[r0:r1, :width], part))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
@@ -652,7 +640,7 @@ def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen
         part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
         part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
         part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(_online(ops, s, part_v, part, part_seen))
+        found.append(block_sums(ops, s, part_v, part_seen, part))
     return tuple(ops.concat(halves, -2) for halves in zip(*found))
 
 
@@ -667,44 +655,10 @@ def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
     return score
 
 
-def _online(ops: Ops, s: Tensor, v: Tensor, state: tuple = None, seen: Tensor = None) -> tuple:
-    """One key block into the running (m, l, O) (l: ``total``): m' = max(m, rowmax S),
-    P = exp(S - m'), l' = exp(m - m') l + rowsum P, O' = exp(m - m') O + P V; seen: a partial
-    block's mask (its hidden scores -inf, their P 0)."""
-    s = s if seen is None else _masked(ops, s, seen)
-    if state is None:
-        m_new = ops.max(s, -1)
-        p = _exp(ops, s - _finite(ops, m_new), seen)
-        return m_new, ops.sum(p, -1), heads.matmul(ops, p, v)
-    m, total, o = state
-    m_new = ops.maximum(m, ops.max(s, -1))
-    top = _finite(ops, m_new)
-    p, rescale = _exp(ops, s - top, seen), ops.exp(_finite(ops, m) - top)
-    return m_new, rescale * total + ops.sum(p, -1), rescale * o + heads.matmul(ops, p, v)
-
-
-def _masked(ops: Ops, s: Tensor, seen: Tensor) -> Tensor:
-    """A partial block's scores with the hidden ones -inf."""
-    return ops.where(seen, s, NEG_INF)
-
-
-def _exp(ops: Ops, x: Tensor, seen: Optional[Tensor]) -> Tensor:
-    """exp(x), exactly 0 where seen is False: paddle's vectorised exp gives exp(-inf) as a
-    denormal, and a product with denormals runs far slower (benchmarks/RESULTS.md, 2026-12-06)."""
-    return ops.exp(x) if seen is None else ops.where(seen, ops.exp(x), 0.0)
-
-
-def _merged(ops: Ops, w: Tensor, lse: Tensor, v: Tensor, state: tuple = None) -> tuple:
-    """A block's own softmax weights W and log-sum-exp (Rabe & Staats: a chunk's normalised
-    output and its lse) merged into (m, l, O), as a block whose max is lse and whose sum is 1."""
-    o_block = heads.matmul(ops, w, v)
-    if state is None:
-        return lse, ops.zeros(ops.shape(lse), lse) + 1.0, o_block
-    m, total, o = state
-    m_new = ops.maximum(m, lse)
-    top = _finite(ops, m_new)
-    rescale, weight = ops.exp(_finite(ops, m) - top), ops.exp(lse - top)
-    return m_new, rescale * total + weight, rescale * o + weight * o_block
+def _merge_fused(ops: Ops, w: Tensor, lse: Tensor, v: Tensor, state: tuple = None) -> tuple:
+    """A block's own softmax weights W and lse (a fused softmax's) into the running sums: the
+    block's sums are (lse, 1, W V)."""
+    return merge_sums(ops, state, (lse, ops.zeros(ops.shape(lse), lse) + 1.0, heads.matmul(ops, w, v)))
 
 
 def bounded_scores(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
@@ -719,15 +673,6 @@ def bounded_scores(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
 
 HIDDEN = -1e30  # a hidden score where the fused softmax takes them finite: exp(HIDDEN - s) = 0
 SCORES_BOUND = 1e20  # |scores| below it: s + HIDDEN stays far below every visible score
-
-
-def _finite(ops: Ops, m: Tensor) -> Tensor:
-    """The running max with -inf (nothing visible yet) as the lowest finite value: exp(-inf -
-    lowest) = 0, where exp(-inf - -inf) would be NaN."""
-    return ops.maximum(m, ops.lowest(m))
-
-
-TINY = 1e-18  # below any l but 0 (l >= 1 once a score is visible); its square normal in float32
 
 
 # -- backward --------------------------------------------------------------------------------------
@@ -759,15 +704,15 @@ def attention_in_blocks_backward(
     row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
     if d_lse is not None:
         row_dot = row_dot - ops.widen(d_lse)
-    lse = _finite(ops, lse)
-    scaled = queries * scale
+    lse, scaled = finite(ops, lse), queries * scale
+    q_factor, k_factor = finite_factor(ops, queries), finite_factor(ops, keys)  # the row rule
     query_blocks = list(
-        zip(*(plan.split(x, plan.query_blocks) for x in (queries, scaled, d_out, lse, row_dot)))
+        zip(*(plan.split(x, plan.query_blocks) for x in (q_factor, scaled, d_out, lse, row_dot)))
     )
     d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
     d_keys, d_values = [], []
-    key_blocks = zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks))
-    for (k0, k1), (k_block, v_block) in zip(plan.key_blocks, key_blocks):
+    key_blocks = zip(*(plan.split(x, plan.key_blocks) for x in (keys, k_factor, values)))
+    for (k0, k1), (k_block, k_finite, v_block) in zip(plan.key_blocks, key_blocks):
         dk = dv = None
         for i, ((q0, q1), (q_block, q_scaled, do_block, lse_block, dot_block)) in enumerate(
             zip(plan.query_blocks, query_blocks)
@@ -778,12 +723,12 @@ def attention_in_blocks_backward(
             s, v_seen = heads.matmul_t(ops, q_scaled, k_block), v_block
             if kind == PARTIAL:
                 seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
-                s, v_seen = _masked(ops, s, seen), plan.visible_values(parts, v_block, seen, q1, k1)
-            p = _exp(ops, s - lse_block, seen if kind == PARTIAL else None)
+                s, v_seen = ops.where(seen, s, NEG_INF), plan.visible_values(parts, v_block, seen, q1, k1)
+            p = weights(ops, s, lse_block, seen if kind == PARTIAL else None)
             ds = p * (heads.matmul_t(ops, do_block, v_seen) - dot_block)
             dv_part = heads.summed_tn(ops, p, do_block, kv_heads)
             dk_part = heads.summed_tn(ops, ds, q_block, kv_heads)
-            dq_part = heads.matmul(ops, ds, k_block)
+            dq_part = heads.matmul(ops, ds, k_finite)
             dv = dv_part if dv is None else dv + dv_part
             dk = dk_part if dk is None else dk + dk_part
             d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
@@ -833,40 +778,7 @@ def attention(
     return out, lse[..., 0]
 
 
-def log_sum_exp(ops: Ops, scores: Tensor, mask: Optional[Tensor]) -> Tensor:
-    """log sum_j exp(s_j) over each row's visible scores (B, [H,] Q): -inf where none is."""
-    scores = ops.widen(scores)
-    if mask is not None:
-        scores = ops.where(mask, scores, NEG_INF)
-    top = ops.max(scores, -1)  # -inf where none is visible: the sum's log is then any number
-    return (top + ops.log(ops.sum(ops.exp(scores - _finite(ops, top)), -1)))[..., 0]
-
-
 def no_lse(ops: Ops, out: Tensor) -> Tensor:
     """The lse of rows with nothing to attend to: -inf, (B, [H,] Q) for out (B, [H,] Q, v)."""
     rows = ops.zeros(tuple(ops.shape(out)[:-1]) + (1,), ops.widen(out))
     return ops.log(rows)[..., 0]
-
-
-# -- merging attention over disjoint key sets ------------------------------------------------------
-
-
-def combine(ops: Ops, parts: List[Tuple[Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
-    """(output, lse) of attention over the union of disjoint key sets, from each set's
-    (output (..., Q, v), lse (..., Q)): lse = log sum_i exp(lse_i), output = sum_i exp(lse_i -
-    lse) output_i.  A part that sees nothing (lse -inf) weighs 0; a row no part sees gives 0
-    and -inf."""
-    lses = [ops.expand_dims(ops.widen(lse), -1) for _, lse in parts]
-    top = lses[0]
-    for lse in lses[1:]:
-        top = ops.maximum(top, lse)
-    total = None
-    for lse in lses:
-        term = ops.exp(lse - _finite(ops, top))
-        total = term if total is None else total + term
-    merged = top + ops.log(total)  # -inf where every part's is
-    out = None
-    for (part, _), lse in zip(parts, lses):
-        term = ops.widen(part) * ops.exp(lse - _finite(ops, merged))
-        out = term if out is None else out + term
-    return ops.cast(out, parts[0][0]), merged[..., 0]

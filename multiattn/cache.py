@@ -3,13 +3,13 @@
 position held.
 
 Both layouts keep positions in splits of ``SPLIT`` (storage (splits, B, kv_heads, SPLIT,
-width)).  Attention computes each split's partial softmax (its maximum score, the sum of its
-weights and its weighted values) for all the splits of a block (the contiguous storage, or one
-page) in one batched product, then merges the splits by their log-sum-exp (flash-decoding's
-split-K).  A split is computed alike whatever the layout, the batch or the thread count: a
-paged cache whose pages hold a multiple of SPLIT positions gives the contiguous cache's answer
-bitwise, and eagerly no page is ever gathered into one array (a compiled step reads the pages
-as one block: a compiler's product of other shapes may round otherwise).
+width)).  Attention computes each split's state (``state``: its output and lse) for all the
+splits of a block (the contiguous storage, or one page) in one batched product, then merges the
+splits' states (flash-decoding's split-K).  A split is computed alike whatever the layout, the
+batch or the thread count: a paged cache whose pages hold a multiple of SPLIT positions gives
+the contiguous cache's answer bitwise, and eagerly no page is ever gathered into one array (a
+compiled step reads the pages as one block: a compiler's product of other shapes may round
+otherwise).
 
 Under a compiler (jax.jit, tf.function, torch.compile) the storage is fixed: a step past it
 stores nothing and gives NaN, never a wrong number (``KVCache``)."""
@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Iterator, List, Optional, Tuple
 
-from . import mods, validation
+from . import mods, state, validation
 from ._registry import framework_of, get_backend
 from .masks import Masks
 from .validation import dtype_name
@@ -325,11 +325,7 @@ def cached_attention(
     q = q * (width**-0.5 if scale is None else scale)
     q = ops.reshape(q, (1, batch, cache.kv_heads, groups * n, width))  # each group's heads as rows
     call = Call(ops, q, batch, heads, groups, n, old, length, masks, score_mod)
-    parts = [call.partials(at, k, v) for at, k, v in cache.blocks(length, call.first_key())]
-    top, sums, outs = parts[0] if len(parts) == 1 else (ops.concat(x, 0) for x in zip(*parts))
-    weight = ops.exp(top - ops.max(top, 0))  # the lse merge of every split's partial softmax
-    total = ops.sum(sums * weight, 0)  # 0 where every key is hidden (out is then 0: the row rule)
-    out = ops.sum(outs * weight, 0) / ops.select(total > 0, total, 1.0)
+    out, _ = call.state(list(cache.blocks(length, call.first_key())))
     if not isinstance(length, int):  # compiled: a step past the storage gives NaN, never a number
         out = ops.where(length <= cache.capacity, out, float("nan"))
     return ops.cast(ops.reshape(out, (batch, heads, n, cache.value_dim)), q), cache
@@ -337,7 +333,7 @@ def cached_attention(
 
 class Call:
     """One ``cached_attention`` call: q (1, B, kv_heads, G n, d), scaled, its rows at positions
-    from old; the masks and score function; ``partials`` of each block of splits."""
+    from old; the masks and score function."""
 
     def __init__(self, ops, q, batch, heads, groups, n, old, length, masks, score_mod) -> None:
         self.ops, self.q, self.batch, self.heads, self.groups, self.n = ops, q, batch, heads, groups, n
@@ -351,26 +347,35 @@ class Call:
             found = self.masks.mask_mod.key_range(self.old, self.old + self.n)
         return 0 if found is None else max(0, min(found[0], self.length - 1))
 
-    def partials(self, at: int, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """(maximum score, sum of weights, weighted values) (splits, B, kv_heads, G n, 1 | dv) of
-        each split of keys k and values v (splits, B, kv_heads, S, .) from position at."""
+    def state(self, blocks: List[Tuple[int, Tensor, Tensor]]) -> Tuple[Tensor, Tensor]:
+        """The state (out, lse) (1, B, kv_heads, G n, dv | 1) over the blocks of consecutive
+        splits [(first position, keys, values (splits, B, kv_heads, S, .))]: each split's
+        state, merged.  The scores of every block at once: the passes over them run once, only
+        the products run per block (a page)."""
+        ops, at = self.ops, blocks[0][0]
+        scores = [self._scores(k) for _, k, _ in blocks]
+        scores = scores[0] if len(scores) == 1 else ops.concat(scores, 0)
+        splits, _, kv_heads, _, _, size = ops.shape(scores)
+        if self.score_mod is not None:
+            scores = self._score_mod(scores, at)
+        top, p, total = state.block_weights(ops, scores, self._visible(at, splits, size, scores))
+        five = (splits, self.batch, kv_heads, self.groups * self.n)  # the heads' rows as one
+        top, total = ops.reshape(top, five + (1,)), ops.reshape(total, five + (1,))
+        p = ops.reshape(p, five + (size,))
+        weighted, start = [], 0
+        for _, _, v in blocks:
+            count = ops.shape(v)[0]
+            weighted.append(state.pooled(ops, p if len(blocks) == 1 else p[start : start + count, ...], v))
+            start += count
+        weighted = weighted[0] if len(weighted) == 1 else ops.concat(weighted, 0)
+        return state.merge_many(ops, top, total, weighted, 0)
+
+    def _scores(self, k: Tensor) -> Tensor:
+        """The scores (splits, B, kv_heads, G, n, S) of q against keys k (splits, B, kv_heads, S, d)."""
         ops, q = self.ops, self.q
         splits, _, kv_heads, size, _ = ops.shape(k)
         scores = ops.widen(ops.matmul_t(ops.broadcast_to(q, (splits,) + tuple(ops.shape(q))[1:]), k))
-        six = (splits, self.batch, kv_heads, self.groups, self.n, size)  # the heads' rows apart
-        scores = ops.reshape(scores, six)
-        if self.score_mod is not None:
-            scores = self._score_mod(scores, at)
-        visible = self._visible(at, splits, size, scores)
-        if visible is not None:
-            scores = ops.where(visible, scores, ops.lowest(scores))
-        top = ops.max(scores, -1)
-        p = ops.exp(scores - top)
-        if visible is not None:
-            p = ops.where(visible, p, 0.0)
-        five = (splits, self.batch, kv_heads, self.groups * self.n)
-        top, p = ops.reshape(top, five + (1,)), ops.reshape(p, five + (size,))
-        return top, ops.sum(p, -1), ops.widen(ops.matmul(ops.cast(p, v), v))
+        return ops.reshape(scores, (splits, self.batch, kv_heads, self.groups, self.n, size))
 
     def _visible(self, at: int, splits: int, size: int, like: Tensor) -> Optional[Tensor]:
         """Which keys of the block each row sees (6-D, broadcastable), None where it sees all."""

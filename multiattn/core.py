@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Mapping, Optional
 
-from . import blockwise, heads, mods, schedule, specialise
+from . import blockwise, heads, mods, schedule, specialise, state
 from .masks import NO_MASKS, Masks, visibility, visible_values
 
 Tensor = Any
@@ -64,7 +64,9 @@ def dot_product_attention(
     scores = dot_product_scores(ops, queries, keys, scale)
     if score_mod is not None:
         scores = modified_scores(ops, score_mod, scores)
-    lse = blockwise.log_sum_exp(ops, scores, visibility(ops, masks, scores)) if need_lse else None
+    lse = None
+    if need_lse:
+        lse = state.log_sum_exp(ops, ops.widen(scores), visibility(ops, masks, scores))[..., 0]
     out, weights = attend(ops, scores, values, masks, dropout, asks)
     weights = weights if need_weights else None
     return (out, weights, lse) if need_lse else (out, weights)

@@ -12,7 +12,7 @@ import functools
 import inspect
 from typing import Any, Callable, Mapping, Tuple
 
-from . import blockwise, core, validation
+from . import core, state, validation
 from ._registry import known_types
 from .adapter import Ops
 from .block_mask import unpacked
@@ -245,4 +245,4 @@ def combine_attention(ops: Ops, parts: Any) -> Tuple[Tensor, Tensor]:
     (output (B, [H,] Q, v), lse (B, [H,] Q)) as ``dot_product_attention(..., return_lse=True)``
     gives them: exact, the merge of ring attention."""
     parts = validation.check_attention_parts(ops, parts)
-    return blockwise.combine(ops, parts)
+    return state.combine(ops, parts)

@@ -65,13 +65,13 @@ def test_with_a_window_and_alibi(bk, monkeypatch):
     alibi = lambda s, b, h, i, j: s + SLOPES[h] * (j - i)  # noqa: E731
     want, _ = ref.heads_attention(q, k, v, mask_fn=window, score_fn=alibi)
     kw = dict(causal=False, mask_mod=mods.sliding_window(4), score_mod=mods.alibi(SLOPES))
-    visited, partials = [], multiattn.cache.Call.partials
+    visited, state = [], multiattn.cache.Call.state
 
-    def recorded(call, at, k, v):  # the first position of each block of splits attended
-        visited.append(at)
-        return partials(call, at, k, v)
+    def recorded(call, blocks):  # the first position attended by each step
+        visited.append(blocks[0][0])
+        return state(call, blocks)
 
-    monkeypatch.setattr(multiattn.cache.Call, "partials", recorded)
+    monkeypatch.setattr(multiattn.cache.Call, "state", recorded)
     found = {}
     for page_size in (None, 4, 16):
         visited.clear()

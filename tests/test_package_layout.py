@@ -302,3 +302,30 @@ def test_the_specialisations_table_matches_the_code():
             )
             assert set(OFFERED_BY[name]) == listed, f"{name}: OFFERED_BY of the tests differs"
     assert NOT_OFFERED
+
+
+STATE_FUNCTIONS = (
+    "block_weights", "block_sums", "merge_sums", "merge_many", "finish", "combine", "log_sum_exp",
+)  # fmt: skip
+
+
+def test_the_partial_state_and_its_merge_are_written_once():
+    """``multiattn.state`` alone defines the partial state's functions, and no function
+    elsewhere takes both an exp and a log (the signature of an lse merge or a log-sum-exp):
+    the block loops, the cache's split-K, ``combine_attention`` and the materialised lse all
+    call it."""
+    found = defaultdict(list)
+    merges = []
+    for name, path in _modules().items():
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            if node.name in STATE_FUNCTIONS + ("_online", "_merged"):
+                found[node.name].append(name)
+            body = ast.get_source_segment(source, node) or ""
+            if name != f"{NAME}.state" and ".exp(" in body and ".log(" in body:
+                merges.append(f"{name}.{node.name}")
+    assert {fn: found[fn] for fn in STATE_FUNCTIONS} == {fn: [f"{NAME}.state"] for fn in STATE_FUNCTIONS}
+    assert not any(found[old] for old in ("_online", "_merged")), dict(found)  # the copies before
+    assert merges == [], f"an lse merge outside multiattn.state: {merges}"

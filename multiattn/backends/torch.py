@@ -15,7 +15,7 @@ with framework_imports("torch"):  # not installed: an error naming the install
     import torch
     from torch.nn import functional as F
 
-from .. import _registry, blockwise, fast_paths
+from .. import _registry, blockwise, fast_paths, state
 from .._machine import l2_cache_bytes, measured_faster
 from ..adapter import Ops
 from ..functional import bind
@@ -466,7 +466,7 @@ CAUSAL_PARTS = 4  # query blocks of a causal call on SDPA's flash kernel (benchm
 
 
 def _causal_in_parts(ops, queries, keys, values, scale):
-    """Causal attention in CAUSAL_PARTS blocks of queries, each merged (blockwise.combine) from
+    """Causal attention in CAUSAL_PARTS blocks of queries, each merged (state.combine) from
     the keys before it (no mask) and its own (causal): SDPA's causal flash kernel alone does
     not halve the time."""
     heads = queries.dim() == 4
@@ -483,7 +483,7 @@ def _causal_in_parts(ops, queries, keys, values, scale):
             parts.append(
                 _FLASH_WITH_LSE(q_block, k[..., :start, :], v[..., :start, :], 0.0, False, scale=scale)
             )
-        outs.append(parts[0][0] if len(parts) == 1 else blockwise.combine(ops, parts)[0])
+        outs.append(parts[0][0] if len(parts) == 1 else state.combine(ops, parts)[0])
     out = torch.cat(outs, -2)
     return out if heads else out.squeeze(1)
 
