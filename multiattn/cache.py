@@ -183,8 +183,10 @@ class KVCache:
                     "a cache appended to under a compiler needs its storage already: make it with "
                     "capacity= (contiguous) or num_pages= (paged), got capacity=0"
                 )
-            for i in range(n):  # a position may start a split: one at a time
-                cache._write_traced(start + i, keys[..., i : i + 1, :], values[..., i : i + 1, :])
+            if n == 1:  # a decoding step: the split that holds it, in place
+                cache._write_traced(start, keys, values)
+            else:  # a prefill: one update per page, whatever n
+                cache._write_span(start, keys, values)
         else:
             if start > cache.capacity:  # only a compiled step appends past the storage
                 raise ValueError(
@@ -217,6 +219,28 @@ class KVCache:
                 held = ops.rows_at(ops.rows_at(x, split, 1, axis=0), offset, 1)[0]
                 x_new = ops.write_rows(x, split, offset, ops.select(inside, rows, held))
                 written.append(ops.reshape(x_new, ops.shape(x)))  # its static shape, where lost
+            self.pages[page] = tuple(written)
+
+    def _write_span(self, start: Any, keys: Tensor, values: Tensor) -> None:
+        """n positions from a traced start in one update per page: the page's rows one after
+        another with n rows of margin on each side, the new rows written there at their place
+        (into a margin where they fall outside the page), the page cut back out; past the
+        storage, nothing stored."""
+        ops, n = self.ops, self.ops.shape(keys)[-2]
+        size = self.capacity if self.page_size is None else self.page_size  # positions a page holds
+        fits = start + n <= self.capacity
+        for page, pair in enumerate(self.pages):
+            at = start - page * size + n
+            at = ops.select(at > size + n, at * 0 + size + n, at)  # within the margins: a compiler's
+            at = ops.select(at < 0, at * 0, at)  # writes may not clamp
+            written = []
+            for x, rows in zip(pair, (keys, values)):
+                flat = ops.joined_rows(x)  # (B, kv_heads, size, width)
+                margin = ops.zeros(tuple(ops.shape(flat)[:-2]) + (n, ops.shape(flat)[-1]), x)
+                padded = ops.expand_dims(ops.concat([margin, flat, margin], -2), 0)
+                flat = ops.write_rows(padded, 0, at, rows)[0, ..., n : n + size, :]
+                x_new = ops.row_windows(flat, 0, self.split, self.split, ops.shape(x)[0])
+                written.append(ops.reshape(ops.select(fits, x_new, x), ops.shape(x)))
             self.pages[page] = tuple(written)
 
     def _write(self, position: Any, keys: Tensor, values: Tensor) -> None:

@@ -289,3 +289,39 @@ def test_a_pool_of_pages_grows_eagerly(bk):
     assert_close(bk, bk.tensor(outs[-1], "float32"), want[:, :, 16:17], "float32")
     with pytest.raises(ValueError, match="num_pages is for a paged cache"):
         _cache(bk, "float32", num_pages=2)
+
+
+@pytest.mark.parametrize(
+    "sizes", [dict(capacity=32), dict(page_size=16, num_pages=2), dict(page_size=8, num_pages=4)]
+)
+def test_a_compiled_prefill_is_one_update_whatever_its_length(bk, sizes):
+    """Under jax.jit and tf.function a prefill (n > 1 positions from a traced length) writes
+    each page in one update: the rows of the reference for prefills that cross splits and
+    pages, NaN for one that runs past the storage, and (jax) a program of the same size for
+    3 positions as for 19."""
+    step, _ = _compiled(bk, counted=False)
+    q, k, v = _full(bk, "float32", seed=7)
+    want, _ = ref.heads_attention(q, k, v, causal=True)
+    for first, n in ((2, 3), (2, 19), (5, 11), (20, 5)):  # across splits and pages
+        cache = _cache(bk, "float32", **sizes)
+        args = [bk.tensor(x[:, :, :first], "float32") for x in (q, k, v)]
+        _, cache = multiattn.cached_attention(*args, cache)
+        args = [bk.tensor(x[:, :, first : first + n], "float32") for x in (q, k, v)]
+        out, cache = step(*args, cache)
+        assert int(cache.length) == first + n
+        assert_close(bk, out, want[:, :, first : first + n], "float32")
+    cache = _cache(bk, "float32", **sizes)
+    args = [bk.tensor(np.concatenate([x] * 2, 2)[:, :, :40], "float32") for x in (q, k, v)]
+    _, cache = multiattn.cached_attention(*(a[:, :, :1] for a in args), cache)
+    out, cache = step(*(a[:, :, 1:] for a in args), cache)  # 40 positions in a storage of 32
+    assert np.isnan(np.asarray(bk.numpy(out))).all()
+    if bk.name == "jax":
+        import jax
+
+        def size(n):
+            cache = _cache(bk, "float32", **sizes)
+            _, cache = multiattn.cached_attention(*(a[:, :, :1] for a in args), cache)
+            jaxpr = jax.make_jaxpr(multiattn.cached_attention)(*(a[:, :, 1 : 1 + n] for a in args), cache)
+            return len(jaxpr.jaxpr.eqns)
+
+        assert size(3) == size(19)

@@ -197,6 +197,14 @@ class TensorFlowOps(Ops):
         x = tf.transpose(x, list(range(1, rank - 2)) + [0, rank - 2, rank - 1])
         return tf.reshape(x, x.shape[:-3] + [x.shape[-3] * x.shape[-2], x.shape[-1]])
 
+    def row_windows(self, x, start, size, step, count):
+        if step != size:
+            return super().row_windows(x, start, size, step, count)
+        x = x[..., start : start + count * size, :]  # tiles: one reshape and transpose
+        x = tf.reshape(x, tf.concat([tf.shape(x)[:-2], [count, size, tf.shape(x)[-1]]], 0))
+        rank = len(x.shape)
+        return tf.transpose(x, [rank - 3] + list(range(rank - 3)) + [rank - 2, rank - 1])
+
     def rows_at(self, x, start, size, axis=-2):
         rank = len(x.shape)
         axis %= rank
