@@ -64,12 +64,10 @@ def dot_product_attention(
     scores = dot_product_scores(ops, queries, keys, scale)
     if score_mod is not None:
         scores = modified_scores(ops, score_mod, scores)
-    lse = None
-    if need_lse:
-        lse = state.log_sum_exp(ops, ops.widen(scores), visibility(ops, masks, scores))[..., 0]
+    lse = state.log_sum_exp(ops, ops.widen(scores), visibility(ops, masks, scores)) if need_lse else None
     out, weights = attend(ops, scores, values, masks, dropout, asks)
     weights = weights if need_weights else None
-    return (out, weights, lse) if need_lse else (out, weights)
+    return (out, weights, lse[..., 0]) if need_lse else (out, weights)
 
 
 def additive_attention(
