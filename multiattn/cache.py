@@ -230,9 +230,8 @@ class KVCache:
         size = self.capacity if self.page_size is None else self.page_size  # positions a page holds
         fits = start + n <= self.capacity
         for page, pair in enumerate(self.pages):
-            at = start - page * size + n
-            at = ops.select(at > size + n, at * 0 + size + n, at)  # within the margins: a compiler's
-            at = ops.select(at < 0, at * 0, at)  # writes may not clamp
+            at = start - page * size + n  # clamped into the margins: a compiler's writes may not clamp
+            at = ops.select(at < 0, at * 0, ops.select(at > size + n, at * 0 + size + n, at))
             written = []
             for x, rows in zip(pair, (keys, values)):
                 flat = ops.joined_rows(x)  # (B, kv_heads, size, width)
