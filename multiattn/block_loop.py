@@ -18,7 +18,7 @@ import numpy as np
 
 from . import blockwise, heads, mods
 from .masks import Masks, all_of, visible_values
-from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, weights
+from .state import NEG_INF, block_sums, empty, finish
 
 Tensor = Any
 Ops = Any
@@ -71,23 +71,14 @@ def attention(
     n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
     made = masks.block_mask
     bmap = BlockMap(ops, masks, n_queries, n_keys, block_size) if made is None else made.block_map(block_size)
-    names = [name for name in ("valid_lens", "attention_mask") if getattr(masks, name) is not None]
 
-    def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
-        return Masks(**dict(zip(names, given)), causal=masks.causal, mask_mod=masks.mask_mod, block_mask=made)
+    def forward(q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tuple[Tensor, Tensor]:
+        return _forward(ops, bmap, q, k, v, masks, scale)
 
-    def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
-        return _forward(ops, bmap, q, k, v, rebuilt(given), scale)
+    def backward(q, k, v, masks, out, lse, d_out, d_lse):
+        return _backward(ops, bmap, q, k, v, masks, out, lse, d_out, d_lse, scale)
 
-    def backward(tensors, given, outputs, cotangents):
-        (q, k, v), (out, lse), (d_out, d_lse) = tensors, outputs, cotangents
-        if d_out is None:
-            d_out = ops.zeros(ops.shape(out), out)
-        return _backward(ops, bmap, q, k, v, rebuilt(given), out, lse, d_out, d_lse, scale)
-
-    constants = tuple(getattr(masks, name) for name in names)
-    out, lse = ops.custom_gradient(forward, backward, (queries, keys, values), constants)
-    return out, lse[..., 0]
+    return blockwise.differentiated(ops, forward, backward, queries, keys, values, masks)
 
 
 class _Blocks:
@@ -193,16 +184,11 @@ def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, s
     dQ by query block over its key blocks, then dK and dV by key block over the query blocks
     that see it, each block's P and dS recomputed."""
     likes = (queries, keys, values)
-    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
-    out, d_out = ops.widen(out), ops.widen(d_out)
+    query_rows, key_rows = blockwise.backward_rows(ops, queries, keys, values, out, lse, d_out, d_lse, scale)
     kv_heads = ops.shape(keys)[1] if len(ops.shape(keys)) == 4 else None
-    blocks, b = _Blocks(ops, bmap, masks, queries, kv_heads), bmap.block
-    row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
-    if d_lse is not None:
-        row_dot = row_dot - ops.widen(d_lse)
-    q_all, qs_all, do_all = blocks.q(finite_factor(ops, queries)), blocks.q(queries * scale), blocks.q(d_out)
-    lse_all, dot_all = blocks.q(finite(ops, lse)), blocks.q(row_dot)  # finite_factor: the row rule
-    k_all, kf_all, v_all = blocks.k(keys), blocks.k(finite_factor(ops, keys)), blocks.k(values)
+    blocks, b = _Blocks(ops, bmap, masks, query_rows[0], kv_heads), bmap.block
+    q_all, qs_all, do_all, lse_all, dot_all = (blocks.q(x) for x in query_rows)
+    k_all, kf_all, v_all = (blocks.k(x) for x in key_rows)
 
     def block(x, start):
         return ops.rows_at(x, start, b)
@@ -211,8 +197,11 @@ def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, s
         """(P, dS, the query block, dO's) of the block at (q0, k0)."""
         q, do = block(q_all, q0), block(do_all, q0)
         s, v, _ = blocks.scores(block(qs_all, q0), block(k_all, k0), block(v_all, k0), q0, k0)
-        p = weights(ops, s, block(lse_all, q0))
-        return p, p * (heads.matmul_t(ops, do, v) - block(dot_all, q0)), q, do
+        return (
+            *blockwise.score_gradients(ops, s, None, do, v, block(lse_all, q0), block(dot_all, q0)),
+            q,
+            do,
+        )
 
     def d_query_block(i):  # dQ = scale dS K
         def key_block(j, state):
@@ -232,7 +221,7 @@ def _backward(ops, bmap, queries, keys, values, masks, out, lse, d_out, d_lse, s
         dk, dv = ops.loop(blocks.q_count[j], query_block, start)
         return dk * scale, dv
 
-    (dq,) = ops.map_rows(d_query_block, len(bmap.kv_count), (queries,))
-    dk, dv = ops.map_rows(d_key_block, len(bmap.q_count), (keys, values))
+    (dq,) = ops.map_rows(d_query_block, len(bmap.kv_count), query_rows[:1])
+    dk, dv = ops.map_rows(d_key_block, len(bmap.q_count), key_rows[::2])
     found = (dq[..., : bmap.n_queries, :], dk[..., : bmap.n_keys, :], dv[..., : bmap.n_keys, :])
     return tuple(ops.cast(g, like) for g, like in zip(found, likes))

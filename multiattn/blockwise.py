@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import weakref
 from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
@@ -363,47 +364,13 @@ def attention_in_blocks(
     if score is None:
         queries = queries * scale  # once, not per block
     plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    # dot-product blocks, enough of them, through the framework's compiler: each step, or a
-    # row's steps a few at a time (``Ops.compiled_rows``)
-    compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
-    compile_rows = compile_ and ops.compiled_rows
-    compile_steps = compile_ and not compile_rows
+    how = _How(ops, plan, queries, keys, values, score)
     key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
-    # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
-    finite_values = masks.none or known_finite(ops, values)
-    fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
-    merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
-    jitted_steps = compile_steps and not merge  # each step a program of the compiler's
     found: list = []  # (output, lse) of each query block in turn
     pending: list = []  # (query block, row) for one compiled program of rows (``_run_rows``)
     for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
-        row = []  # (step kind, its step, its tensors after the query block)
-        seen_blocks = _spans(plan, q0, q1, key_blocks, keys, values, merge)
-        for (k0, k1), (k_block, v_block), kind, parts in seen_blocks:
-            tensors = (k_block, v_block)
-            if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
-                kind = DIAGONAL
-            elif kind == FULL and fused:
-                kind = FULL_FUSED
-            elif kind == PARTIAL:
-                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
-                hidden = fused and finite_values and plan.hidden_by_bias(seen, q_block, k_block)
-                if hidden:
-                    tensors, kind = tensors + hidden, PARTIAL_FUSED
-                else:
-                    tensors += (seen,)
-                    kind = PARTIAL_FINITE if finite_values else PARTIAL
-                    halves = plan.halves(q0, q1, k0, k1) if jitted_steps else None
-                    kind = kind if halves is None else (HALVES, halves, kind == PARTIAL)
-            if score is None:
-                step = _step(ops, kind, compile_steps, cached=not plan.traced)
-            else:  # the caller's scores, told where the block is
-                step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
-            row.append((kind, step, tensors))
-        if row and compile_steps:  # the row's last step finishes it, compiled with it
-            kind, _, tensors = row[-1]
-            row[-1] = (kind, _step(ops, kind, True, finishing=True, cached=not plan.traced), tensors)
-        length = _program_length(ops, q_block, row) if row and compile_rows else 0
+        row = how.row(q0, q1, q_block, key_blocks, keys, values)
+        length = _program_length(ops, q_block, row) if row and how.compile_rows else 0
         if row and len(row) <= length:  # a short row: several in one program, within its length
             if len(pending) == ROWS_PER_PROGRAM or sum(len(r) for _, r in pending) + len(row) > length:
                 found.extend(_run_rows(ops, pending))
@@ -413,7 +380,7 @@ def attention_in_blocks(
         found.extend(_run_rows(ops, pending))
         pending = []
         if row:
-            out, lse = _run_row(ops, q_block, row, compile_rows, finished=compile_steps)
+            out, lse = _run_row(ops, q_block, row, how.compile_rows, finished=how.compile_steps)
         else:  # every key block hidden: nothing to attend to
             out, lse = finish(ops, empty(ops, tuple(ops.shape(q_block)[:-1]), ops.shape(values)[-1], values))
         ops.settle((out, lse))  # lazy frameworks: the sums would keep every block of scores alive
@@ -423,6 +390,52 @@ def attention_in_blocks(
     out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
     lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
     return ops.cast(out, like), lse
+
+
+class _How:
+    """How one call's blocks run: which steps are compiled (``Ops.compiled``), alone or a row's
+    several at once (``Ops.compiled_rows``); whether the framework's fused softmax takes them
+    (bounded scores), whether hidden values need masking; and each query block's row of steps."""
+
+    def __init__(self, ops: Ops, plan: Plan, queries: Tensor, keys: Tensor, values: Tensor, score) -> None:
+        self.ops, self.plan, self.score = ops, plan, score
+        compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
+        self.compile_rows = compile_ and ops.compiled_rows
+        self.compile_steps = compile_ and not self.compile_rows
+        # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
+        self.finite_values = plan.masks.none or known_finite(ops, values)
+        self.fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
+        self.merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
+        self.jitted_steps = self.compile_steps and not self.merge  # each step a program of the compiler's
+
+    def row(self, q0: int, q1: int, q_block: Tensor, key_blocks: list, keys: Tensor, values: Tensor) -> list:
+        """(step kind, its step, its tensors after the query block) of each key block [q0, q1) sees."""
+        ops, plan, score, row = self.ops, self.plan, self.score, []
+        for (k0, k1), tensors, kind, parts in _spans(plan, q0, q1, key_blocks, keys, values, self.merge):
+            kind, tensors = self.kind(kind, parts, q0, q1, k0, k1, q_block, tensors)
+            if score is None:
+                step = _step(ops, kind, self.compile_steps, cached=not plan.traced)
+            else:  # the caller's scores, told where the block is
+                step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
+            row.append((kind, step, tensors))
+        if row and self.compile_steps:  # the row's last step finishes it, compiled with it
+            kind, _, tensors = row[-1]
+            row[-1] = (kind, _step(ops, kind, True, finishing=True, cached=not plan.traced), tensors)
+        return row
+
+    def kind(self, kind: str, parts: tuple, q0, q1, k0, k1, q_block: Tensor, tensors: tuple) -> tuple:
+        """(the step's kind, its tensors (k, v[, the mask's])) of a block the plan keeps."""
+        if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
+            return DIAGONAL, tensors
+        if kind == FULL:
+            return (FULL_FUSED if self.fused else FULL), tensors
+        seen = self.plan.visibility(parts, q_block, tensors[0], q0, q1, k0, k1)
+        hidden = self.fused and self.finite_values and self.plan.hidden_by_bias(seen, q_block, tensors[0])
+        if hidden:
+            return PARTIAL_FUSED, tensors + hidden
+        kind = PARTIAL_FINITE if self.finite_values else PARTIAL
+        halves = self.plan.halves(q0, q1, k0, k1) if self.jitted_steps else None
+        return (kind if halves is None else (HALVES, halves, kind == PARTIAL)), tensors + (seen,)
 
 
 def _spans(plan: Plan, q0: int, q1: int, key_blocks: list, keys: Tensor, values: Tensor, merge: bool) -> list:
@@ -452,9 +465,17 @@ def _has_compiler(ops: Ops) -> bool:
 
 
 COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
-# (id(ops), (step kinds, tensor counts, resumed, last)) -> (ops, compiled program of a row's
-# steps); (id(ops), "rows", ((step kinds, tensor counts) of each row)) -> (ops, program of rows)
-_ROWS: dict = {}
+# ops -> {(step kinds, tensor counts, resumed, last): compiled program of a row's steps,
+# ("rows", ((step kinds, tensor counts) of each row)): program of rows, ("step", kind, compiled,
+# finishing): a step}; an adapter's programs go with it
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _programs(ops: Ops) -> dict:
+    found = _PROGRAMS.get(ops)
+    if found is None:
+        found = _PROGRAMS[ops] = {}
+    return found
 
 
 def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool, finished: bool = False) -> Tuple[Tensor, Tensor]:
@@ -471,11 +492,12 @@ def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool, finished: bool = Fa
     for start in range(0, len(row), length):
         part, last = row[start : start + length], start + length >= len(row)
         signature = (tuple(kind for kind, _, _ in part), _counts(part), bool(state), last)
-        found = _ROWS.get((id(ops), signature))
-        if found is None or found[0] is not ops:
+        programs = _programs(ops)
+        program = programs.get(signature)
+        if program is None:
             program = functools.partial(_row, ops, [step for _, step, _ in part], *signature[1:])
-            found = _ROWS[(id(ops), signature)] = (ops, ops.compiled(program))
-        state = found[1](q, *state, *_flat(part))
+            program = programs[signature] = ops.compiled(program)
+        state = program(q, *state, *_flat(part))
     return state
 
 
@@ -500,12 +522,13 @@ def _run_rows(ops: Ops, rows_: list) -> list:
     if not rows_:
         return []
     layout = tuple((tuple(kind for kind, _, _ in row), _counts(row)) for _, row in rows_)
-    found = _ROWS.get((id(ops), "rows", layout))
-    if found is None or found[0] is not ops:
+    programs = _programs(ops)
+    program = programs.get(("rows", layout))
+    if program is None:
         steps = [[step for _, step, _ in row] for _, row in rows_]
         program = functools.partial(_rows, ops, steps, [counts for _, counts in layout])
-        found = _ROWS[(id(ops), "rows", layout)] = (ops, ops.compiled(program))
-    flat = found[1](*(t for q, row in rows_ for t in (q, *_flat(row))))
+        program = programs["rows", layout] = ops.compiled(program)
+    flat = program(*(t for q, row in rows_ for t in (q, *_flat(row))))
     results = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
     ops.settle(tuple(flat))
     return results
@@ -547,22 +570,19 @@ def _step(
     """The dot-product step of a kind, through the framework's compiler if compiled, made once
     per process (made anew where not cached: ``Plan.traced``); finishing: a row's last,
     returning (output, lse) (``_finish`` compiled with it)."""
-    key = (id(ops), kind, compiled, finishing)
-    found = _STEPS.get(key) if cached else None
-    if found is None or found[0] is not ops:
+    key = ("step", kind, compiled, finishing)
+    found = _programs(ops).get(key) if cached else None
+    if found is None:
         step = _made(ops, kind, functools.partial(heads.matmul_t, ops))
         step = functools.partial(_finishing, ops, step) if finishing else step
-        found = (ops, ops.compiled(step) if compiled else step)
+        found = ops.compiled(step) if compiled else step
         if cached:
-            _STEPS[key] = found
-    return found[1]
+            _programs(ops)[key] = found
+    return found
 
 
 def _finishing(ops: Ops, step: Callable[..., tuple], *tensors: Tensor) -> Tuple[Tensor, Tensor]:
     return finish(ops, step(*tensors))
-
-
-_STEPS: dict = {}
 
 
 def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) -> Callable[..., tuple]:
@@ -695,23 +715,14 @@ def attention_in_blocks_backward(
     """(dQ, dK, dV) of ``attention_in_blocks`` (dot-product scores) from its saved output and
     lse, block by block: no block of scores outlives its use.  d_lse: the cotangent of lse,
     None where lse was not used."""
-    like_q, like_k, like_v = queries, keys, values
-    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
-    out, d_out = ops.widen(out), ops.widen(d_out)
-    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    likes = (queries, keys, values)
+    query_rows, key_rows = backward_rows(ops, queries, keys, values, out, lse, d_out, d_lse, scale)
+    plan = Plan(ops, masks, ops.shape(queries)[-2], ops.shape(keys)[-2], block_size, like=query_rows[0])
     kv_heads = ops.shape(keys)[1] if len(ops.shape(keys)) == 4 else None
-    plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    row_dot = ops.sum(d_out * out, -1)  # D = rowsum(dO * O)
-    if d_lse is not None:
-        row_dot = row_dot - ops.widen(d_lse)
-    lse, scaled = finite(ops, lse), queries * scale
-    q_factor, k_factor = finite_factor(ops, queries), finite_factor(ops, keys)  # the row rule
-    query_blocks = list(
-        zip(*(plan.split(x, plan.query_blocks) for x in (q_factor, scaled, d_out, lse, row_dot)))
-    )
+    query_blocks = list(zip(*(plan.split(x, plan.query_blocks) for x in query_rows)))
     d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
     d_keys, d_values = [], []
-    key_blocks = zip(*(plan.split(x, plan.key_blocks) for x in (keys, k_factor, values)))
+    key_blocks = zip(*(plan.split(x, plan.key_blocks) for x in key_rows))
     for (k0, k1), (k_block, k_finite, v_block) in zip(plan.key_blocks, key_blocks):
         dk = dv = None
         for i, ((q0, q1), (q_block, q_scaled, do_block, lse_block, dot_block)) in enumerate(
@@ -720,15 +731,16 @@ def attention_in_blocks_backward(
             kind, parts = plan.kind(q0, q1, k0, k1)
             if kind == SKIP:
                 continue
-            s, v_seen = heads.matmul_t(ops, q_scaled, k_block), v_block
+            s, v_seen, seen = heads.matmul_t(ops, q_scaled, k_block), v_block, None
             if kind == PARTIAL:
                 seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
                 s, v_seen = ops.where(seen, s, NEG_INF), plan.visible_values(parts, v_block, seen, q1, k1)
-            p = weights(ops, s, lse_block, seen if kind == PARTIAL else None)
-            ds = p * (heads.matmul_t(ops, do_block, v_seen) - dot_block)
-            dv_part = heads.summed_tn(ops, p, do_block, kv_heads)
-            dk_part = heads.summed_tn(ops, ds, q_block, kv_heads)
+            p, ds = score_gradients(ops, s, seen, do_block, v_seen, lse_block, dot_block)
             dq_part = heads.matmul(ops, ds, k_finite)
+            dk_part, dv_part = (
+                heads.summed_tn(ops, ds, q_block, kv_heads),
+                heads.summed_tn(ops, p, do_block, kv_heads),
+            )
             dv = dv_part if dv is None else dv + dv_part
             dk = dk_part if dk is None else dk + dk_part
             d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
@@ -744,7 +756,31 @@ def attention_in_blocks_backward(
     joined = [
         (parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)
     ]
-    return tuple(ops.cast(g, like) for g, like in zip(joined, (like_q, like_k, like_v)))
+    return tuple(ops.cast(g, like) for g, like in zip(joined, likes))
+
+
+def backward_rows(
+    ops: Ops, queries, keys, values, out, lse, d_out, d_lse, scale: float
+) -> Tuple[tuple, tuple]:
+    """What the backward reads by query row, (Q with non-finite entries 0, scale Q, dO, lse with
+    -inf as 0, D = rowsum(dO * O) - dlse), and by key row, (K, K with non-finite entries 0, V),
+    widened: the finite factors give a row that sees nothing, or keys of -inf, gradients 0."""
+    queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
+    out, d_out = ops.widen(out), ops.widen(d_out)
+    row_dot = ops.sum(d_out * out, -1)
+    if d_lse is not None:
+        row_dot = row_dot - ops.widen(d_lse)
+    query_rows = (finite_factor(ops, queries), queries * scale, d_out, finite(ops, lse), row_dot)
+    return query_rows, (keys, finite_factor(ops, keys), values)
+
+
+def score_gradients(
+    ops: Ops, s: Tensor, seen, d_out: Tensor, v: Tensor, lse: Tensor, row_dot: Tensor
+) -> tuple:
+    """(P, dS) of a block of scores s (hidden ones -inf; seen: its mask or None), recomputed
+    from lse: P = exp(s - lse), dS = P * (dO V^T - D)."""
+    p = weights(ops, s, lse, seen)
+    return p, p * (heads.matmul_t(ops, d_out, v) - row_dot)
 
 
 # -- the differentiable call ---------------------------------------------------------------------
@@ -754,27 +790,48 @@ def attention(
     ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *, scale: float, block_size: int
 ) -> Tuple[Tensor, Tensor]:
     """(output, lse (B, [H,] Q)) of dot-product attention in blocks, differentiated by
-    ``attention_in_blocks_backward`` through the framework's own mechanism
-    (``ops.custom_gradient``): the gradients, too, in memory linear in the length."""
+    ``attention_in_blocks_backward``: the gradients, too, in memory linear in the length."""
+
+    def forward(q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tuple[Tensor, Tensor]:
+        return attention_in_blocks(ops, q, k, v, masks, block_size=block_size, scale=scale)
+
+    def backward(q, k, v, masks, out, lse, d_out, d_lse):
+        return attention_in_blocks_backward(
+            ops, q, k, v, masks, out, lse, d_out, d_lse, block_size=block_size, scale=scale
+        )
+
+    return differentiated(ops, forward, backward, queries, keys, values, masks)
+
+
+def differentiated(
+    ops: Ops,
+    forward: Callable,
+    backward: Callable,
+    queries: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    masks: Masks,
+) -> Tuple[Tensor, Tensor]:
+    """(output, lse (B, [H,] Q)) of forward(q, k, v, masks) -> (output, lse (..., Q, 1)),
+    differentiated by backward(q, k, v, masks, output, lse, d_out, d_lse) -> (dq, dk, dv)
+    through the framework's own mechanism (``ops.custom_gradient``); the masks' tensors are
+    passed along as constants (a compiler's inputs, not captured)."""
     names = [name for name in ("valid_lens", "attention_mask") if getattr(masks, name) is not None]
-    constants = tuple(getattr(masks, name) for name in names)
 
     def rebuilt(given: Tuple[Tensor, ...]) -> Masks:
         kept = dict(causal=masks.causal, mask_mod=masks.mask_mod, block_mask=masks.block_mask)
         return Masks(**dict(zip(names, given)), **kept)
 
-    def forward(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
-        return attention_in_blocks(ops, q, k, v, rebuilt(given), block_size=block_size, scale=scale)
+    def forward_(q: Tensor, k: Tensor, v: Tensor, *given: Tensor) -> Tuple[Tensor, Tensor]:
+        return forward(q, k, v, rebuilt(given))
 
-    def backward(tensors, given, outputs, cotangents):
-        (q, k, v), (out, lse), (d_out, d_lse) = tensors, outputs, cotangents
-        if d_out is None:
-            d_out = ops.zeros(ops.shape(out), out)
-        return attention_in_blocks_backward(
-            ops, q, k, v, rebuilt(given), out, lse, d_out, d_lse, block_size=block_size, scale=scale
-        )
+    def backward_(tensors, given, outputs, cotangents):
+        (out, lse), (d_out, d_lse) = outputs, cotangents
+        d_out = ops.zeros(ops.shape(out), out) if d_out is None else d_out
+        return backward(*tensors, rebuilt(given), out, lse, d_out, d_lse)
 
-    out, lse = ops.custom_gradient(forward, backward, (queries, keys, values), constants)
+    constants = tuple(getattr(masks, name) for name in names)
+    out, lse = ops.custom_gradient(forward_, backward_, (queries, keys, values), constants)
     return out, lse[..., 0]
 
 

@@ -5,6 +5,7 @@ returns, ``combine_attention``, the automatic choice and the errors."""
 from __future__ import annotations
 
 import functools
+import weakref
 
 import numpy as np
 import pytest
@@ -197,8 +198,8 @@ def test_causal_and_lengths_compute_only_the_visible_blocks(bk, monkeypatch):
         return real(a, b)
 
     monkeypatch.setattr(type(bk.module.ops), "matmul_t", counted)
-    monkeypatch.setattr(blockwise, "_ROWS", {})  # steps made anew, with the counting matmul_t
-    monkeypatch.setattr(blockwise, "_STEPS", {})
+    # steps made anew, with the counting matmul_t
+    monkeypatch.setattr(blockwise, "_PROGRAMS", weakref.WeakKeyDictionary())
     q = bk.tensor(np.random.default_rng(1).normal(size=(1, 16, 4)), "float32")
     multiattn.dot_product_attention(q, q, q, causal=True, block_size=4)
     # 6 blocks below the diagonal; each of the 4 on it in two halves of its queries, the first
@@ -337,8 +338,7 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
     programs of one step each, the state passed between them (a program's budget holds one
     block); with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
-    monkeypatch.setattr(blockwise, "_ROWS", {})
-    monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(blockwise, "_PROGRAMS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(blockwise, "ROWS_PER_PROGRAM", 1 if programs == "a row a program" else 3)
     monkeypatch.setattr(bk.module.ops, "compiled_rows", programs != "steps")
     if programs == "rows in parts":
@@ -358,7 +358,7 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
         ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0],
         "float32",
     )
-    grouped = [len(key[2]) for key in blockwise._ROWS if key[1] == "rows"]
+    grouped = [len(key[1]) for key in blockwise._PROGRAMS.get(bk.module.ops, {}) if key[0] == "rows"]
     if programs == "rows" and kind == "none":
         assert sorted(grouped) == [1, 3], "four rows of three blocks: three in one program, then one"
     if programs == "a row a program":

@@ -6,6 +6,7 @@ function of the user's own, eagerly and under the frameworks' jit; block skippin
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 import pytest
@@ -249,8 +250,7 @@ def _score_areas(bk, monkeypatch):
         "matmul_t",
         lambda self, a, b: areas.append(shape(a)[-2] * shape(b)[-2]) or real(a, b),
     )
-    monkeypatch.setattr(blockwise, "_ROWS", {})
-    monkeypatch.setattr(blockwise, "_STEPS", {})
+    monkeypatch.setattr(blockwise, "_PROGRAMS", weakref.WeakKeyDictionary())
     return areas
 
 
