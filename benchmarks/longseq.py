@@ -12,7 +12,7 @@ default 4096, 16384, 65536) five cases: ``plain``; ``causal`` (causal=True); ``l
 
 * ``blocks``: ``dot_product_attention(q, k, v, lens, causal=..., block_size=BLOCK)``, the core's
   blocks forced on every backend, BLOCK the automatic choice
-  (``blockwise.block_size_for`` x ``Ops.compiled_block_scale``);
+  (``blockwise.block_size_for`` x ``tuning.Tuning.compiled_block_scale``);
 * ``default``: the same call with block_size=None, measured where it takes another path:
   the scores whole where they fit the budget (N^2 * 4 B <= ``SCORES_BUDGET_BYTES``), on
   torch past it SDPA's flash kernel (the specialisation ``attend_by_flash_kernel``), and for the
@@ -67,10 +67,10 @@ FLOOR_COPIES = 3  # the floor holds about three (N, N) float32 arrays at once: s
 
 def block_size(module=None) -> int:
     """The block the automatic choice takes for one (1, N, d) float32 call on the backend
-    ``module`` (its compiled steps take larger ones: ``Ops.compiled_block_scale``)."""
-    from multiattn import blockwise
+    ``module`` (its compiled steps take larger ones: ``tuning.Tuning.compiled_block_scale``)."""
+    from multiattn import blockwise, tuning
 
-    scale = 1 if module is None else module.ops.compiled_block_scale
+    scale = 1 if module is None else tuning.of(module.ops).compiled_block_scale
     return blockwise.block_size_for(1, 4) * scale
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import numpy as np
 
-from . import _machine, heads
+from . import _machine, heads, tuning
 from .masks import Masks, all_of, visible_values
 from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, merge_sums, weights
 
@@ -72,7 +72,7 @@ def automatic_block_size(
     ):
         return None
     side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
-    side = side if per_score > 1 else side * ops.compiled_block_scale
+    side = side if per_score > 1 else side * tuning.of(ops).compiled_block_scale
     favoured = None if mask_mod is None else mask_mod.block_side(ops)
     return side if favoured is None else min(side, max(favoured, MIN_BLOCK))
 
@@ -394,13 +394,13 @@ def attention_in_blocks(
 
 class _How:
     """How one call's blocks run: which steps are compiled (``Ops.compiled``), alone or a row's
-    several at once (``Ops.compiled_rows``); whether the framework's fused softmax takes them
+    several at once (``tuning.Tuning.compiled_rows``); whether the framework's fused softmax takes them
     (bounded scores), whether hidden values need masking; and each query block's row of steps."""
 
     def __init__(self, ops: Ops, plan: Plan, queries: Tensor, keys: Tensor, values: Tensor, score) -> None:
         self.ops, self.plan, self.score = ops, plan, score
         compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
-        self.compile_rows = compile_ and ops.compiled_rows
+        self.compile_rows = compile_ and tuning.of(ops).compiled_rows
         self.compile_steps = compile_ and not self.compile_rows
         # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
         self.finite_values = plan.masks.none or known_finite(ops, values)

@@ -12,7 +12,7 @@ import functools
 import math
 from typing import Any, Callable, List, NamedTuple, Optional
 
-from . import blockwise, core
+from . import blockwise, core, tuning
 from .masks import Masks
 from .protocol import softmax_hiding_minus_inf
 
@@ -430,7 +430,7 @@ def additive_scores_in_blocks(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v:
     if by_sigmoid:
         q_hidden, k_hidden, w_v = q_hidden * 2.0, k_hidden * 2.0, w_v * 2.0
     activation = ops.sigmoid_of_sum if by_sigmoid else ops.tanh_of_sum
-    if ops.hiddens_innermost:
+    if tuning.of(ops).hiddens_innermost:
         k_side, q_axis = ops.expand_dims(k_hidden, 1), 2  # (B, 1, K, h)
 
         def contract(features: Tensor) -> Tensor:  # (B, q, K, h) -> (B, q, K)

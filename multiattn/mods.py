@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
+from . import tuning
 from ._registry import framework_of, get_backend
 
 Tensor = Any
@@ -400,7 +401,7 @@ class sliding_window(MaskFunction):
     def block_side(self, ops):
         # half the width: three blocks per row of blocks, the middle one whole; where steps are
         # costly, the width: two, the band's triangles (benchmarks/RESULTS.md, 2026-12-04)
-        return _power_of_two_at_most(max(self.w // (1 if ops.costly_steps else 2), 1))
+        return _power_of_two_at_most(max(self.w // (1 if tuning.of(ops).costly_steps else 2), 1))
 
     def __repr__(self) -> str:
         return f"sliding_window({self.w})"

@@ -76,32 +76,11 @@ class Primitives:
         """Batched ``a @ b`` with NumPy's matmul broadcasting (b may be 1-D)."""
         raise NotImplementedError
 
-    def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
-        """Batched ``a @ b^T``, the transpose over b's last two axes."""
-        raise NotImplementedError
-
     def tanh(self, x: Tensor) -> Tensor:
         raise NotImplementedError
 
     def softmax(self, x: Tensor) -> Tensor:
         """Softmax over the last axis, accumulated in at least float32, in x's dtype."""
-        raise NotImplementedError
-
-    def length_mask(self, x: Tensor, lens: Tensor, axis: int = -1) -> Tensor:
-        """Boolean ``arange(x.shape[axis]) < lens`` of shape (B, 1, K) or (B, Q, K), on x's device.
-
-        lens has shape (B,) (one length per batch element: (B, 1, K)) or (B, Q),
-        any integer or float dtype; the comparison is in a dtype both sides share.
-        """
-        raise NotImplementedError
-
-    def causal_mask(self, n_queries: Any, n_keys: Any, like: Tensor) -> Tensor:
-        """Boolean (Q, K), true where key j <= query i (top-left aligned), on like's device;
-        like: the scores (..., Q, K), whose last two axes give sizes that are None."""
-        raise NotImplementedError
-
-    def logical_and(self, a: Tensor, b: Tensor) -> Tensor:
-        """Elementwise ``a and b`` of two boolean tensors, broadcast."""
         raise NotImplementedError
 
     def split_heads(self, x: Tensor, num_heads: int) -> Tensor:
@@ -114,10 +93,6 @@ class Primitives:
 
     def reshape(self, x: Tensor, shape: Shape) -> Tensor:
         """x's elements, in row-major order, in ``shape`` (ints; one of them may be -1)."""
-        raise NotImplementedError
-
-    def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
-        """``x`` where mask is true, the scalar ``fill`` elsewhere (mask broadcast); never in place."""
         raise NotImplementedError
 
     def select(self, condition: Tensor, x: Any, y: Any) -> Tensor:
@@ -180,6 +155,35 @@ class Primitives:
         raise NotImplementedError
 
     # -- primitives with a default ------------------------------------------------------
+
+    def matmul_t(self, a: Tensor, b: Tensor) -> Tensor:
+        """Batched ``a @ b^T``, the transpose over b's last two axes."""
+        return self.matmul(a, self.matrix_transpose(b))
+
+    def where(self, mask: Tensor, x: Tensor, fill: float) -> Tensor:
+        """``x`` where mask is true, the scalar ``fill`` elsewhere (mask broadcast); never in place."""
+        return self.select(mask, x, fill)
+
+    def logical_and(self, a: Tensor, b: Tensor) -> Tensor:
+        """Elementwise ``a and b`` of two boolean tensors, broadcast."""
+        return self.select(a, b, a)
+
+    def length_mask(self, x: Tensor, lens: Tensor, axis: int = -1) -> Tensor:
+        """Boolean ``arange(x.shape[axis]) < lens`` of shape (B, 1, K) or (B, Q, K), on x's device.
+
+        lens has shape (B,) (one length per batch element: (B, 1, K)) or (B, Q),
+        any integer or float dtype; the comparison is in a dtype both sides share.
+        """
+        keys = self.cast(self.positions(0, self.shape(x)[axis], x), lens)
+        return keys < per_row(lens)
+
+    def causal_mask(self, n_queries: Any, n_keys: Any, like: Tensor) -> Tensor:
+        """Boolean (Q, K), true where key j <= query i (top-left aligned), on like's device;
+        like: the scores (..., Q, K), whose last two axes give sizes that are None."""
+        n_queries = self.shape(like)[-2] if n_queries is None else n_queries
+        n_keys = self.shape(like)[-1] if n_keys is None else n_keys
+        query = self.expand_dims(self.positions(0, n_queries, like), -1)
+        return self.expand_dims(self.positions(0, n_keys, like), 0) <= query
 
     # Whether values are updated by returning new ones (jax): a cache's append returns a new cache.
     functional_updates: bool = False
@@ -308,19 +312,6 @@ class Primitives:
     # column each row sees (None: column 0); blockwise takes it where the scores are bounded
     softmax_with_lse: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
 
-    # where the block steps are compiled (``compiled``), the compiler fuses a block's passes:
-    # its side may be this many times the one whose scores fit L2 (blockwise.block_size_for)
-    compiled_block_scale: int = 1
-
-    # where each block step has a high fixed cost (a compiled call's dispatch, a namespace's
-    # per-call checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
-    costly_steps: bool = False
-
-    # whether ``compiled`` takes a row of block steps (a query block over its key blocks) as
-    # programs of several steps each (as many as half the scores budget holds), or each step alone
-    # (where the compiler schedules a longer program worse)
-    compiled_rows: bool = False
-
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the
         framework's compiler where that pays; the default: step itself."""
@@ -333,10 +324,9 @@ class Primitives:
 
 
 REQUIRED = (
-    "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat",
-    "matmul", "matmul_t", "tanh", "softmax", "length_mask", "causal_mask", "logical_and",
-    "split_heads", "merge_heads", "reshape", "where", "select", "positions", "constant", "lowest", "cast",
-    "widen", "exp", "log", "max", "sum", "maximum",
+    "shape", "dtype_kind", "zeros", "any", "expand_dims", "matrix_transpose", "concat", "matmul",
+    "tanh", "softmax", "split_heads", "merge_heads", "reshape", "select", "positions", "constant",
+    "lowest", "cast", "widen", "exp", "log", "max", "sum", "maximum",
 )  # fmt: skip
 
 

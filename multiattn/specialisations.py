@@ -4,7 +4,7 @@ Each method takes the step's inputs and returns either a function of no argument
 the step (``multiattn.fast_paths`` has the framework-free halves) or a short string saying
 why it declines; every threshold it uses is decided inside it.  The defaults here decline,
 but for the additive scores in blocks, which every adapter offers from
-``feature_block_elements`` features on.  ``specialise.ORDER`` says which are tried for
+``tuning.Tuning.feature_block_elements`` features on.  ``specialise.ORDER`` says which are tried for
 which step, in which order; docs/architecture.md lists who offers what (a test keeps the
 two in step).  The members after the offers are the parts of the additive blocks.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from . import fast_paths
+from . import fast_paths, tuning
 from .masks import Masks
 
 Tensor = Any
@@ -23,10 +23,6 @@ NOT_OFFERED = "not offered by this backend"
 
 class Specialisations:
     """The optional half of ``adapter.Ops``: offers, each declining by default."""
-
-    # Below this many scores every offer of the steps ``dot_product_attend`` and
-    # ``masked_softmax`` declines, so ``specialise.run`` does not ask them (0: always ask).
-    specialised_from: int = 0
 
     # -- step ``dot_product_attend``: scores, masked softmax and pooling at once ---------------
 
@@ -95,24 +91,17 @@ class Specialisations:
     def additive_scores_in_blocks(
         self, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks
     ) -> Offer:
-        """The features in blocks of queries of at most ``feature_block_elements``, so that the
+        """The features in blocks of queries of at most ``tuning.Tuning.feature_block_elements``, so that the
         extra memory stays one block (``fast_paths.additive_scores_in_blocks``)."""
         batch, n_queries, hiddens = self.shape(q_hidden)
         per_query = (batch or 1) * (hiddens or 1) * (self.shape(k_hidden)[1] or 1)
-        block = self.feature_block_elements
+        block = tuning.of(self).feature_block_elements
         if n_queries is None or n_queries * per_query <= block:
             return "the features fit in one block"
         step = max(1, block // per_query)
         return lambda: fast_paths.additive_scores_in_blocks(self, q_hidden, k_hidden, w_v, step)
 
     # -- the parts of the additive blocks ------------------------------------------------------
-
-    # Elements of one block of additive features (the extra memory of the additive scores).
-    feature_block_elements: int = 1 << 20
-
-    # Lay the features out as d2l does, (B, Q, K, h), instead of keys innermost, (B, Q, h, K):
-    # for a compiler that fuses the w_v reduction best over the innermost axis.
-    hiddens_innermost: bool = False
 
     def tanh_of_sum(self, a: Tensor, b: Tensor, buffers: list) -> Tensor:
         """``tanh(a + b)`` (broadcast).  buffers: a list that lives for one call's blocks,

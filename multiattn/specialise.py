@@ -5,7 +5,7 @@ A specialisation is a method of the adapter (``multiattn.specialisations.Special
 that takes a step's inputs and returns either a function of no arguments that does the
 step, or a short string saying why it declines.  ``run`` asks them in ``ORDER``; the core
 runs its own formula where every one declines, or where the scores are too few for any
-(``asks``: the adapter's ``specialised_from``).  ``primitives_only()`` switches them all off
+(``asks``: the backend's ``tuning.Tuning.specialised_from``).  ``primitives_only()`` switches them all off
 (the tests run the matrix so); ``explained()`` records each decision.
 """
 
@@ -15,6 +15,8 @@ import contextlib
 import math
 import os
 from typing import Any, Iterator, List, Tuple
+
+from . import tuning
 
 # step -> its specialisations, tried in this order
 ORDER = {
@@ -55,9 +57,9 @@ def run(ops: Any, step: str, *inputs: Any) -> Any:
 
 
 def asks(ops: Any, scores_shape: tuple) -> bool:
-    """Whether scores of this shape reach the adapter's ``specialised_from``, below which every
+    """Whether scores of this shape reach the backend's ``tuning.Tuning.specialised_from``, below which every
     offer of ``dot_product_attend`` and ``masked_softmax`` declines (so the core asks none)."""
-    least = ops.specialised_from
+    least = tuning.of(ops).specialised_from
     if not least or not _state["on"] or math.prod(scores_shape) >= least:  # off: ``run`` records it
         return True
     if _state["log"] is not None:

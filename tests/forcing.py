@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from multiattn import tuning
+
 
 def lower_thresholds(module, monkeypatch, **thresholds):
     """Set an adapter module's thresholds (those it has); where its ops skip every offer below
@@ -10,7 +12,7 @@ def lower_thresholds(module, monkeypatch, **thresholds):
         if hasattr(module, constant):
             monkeypatch.setattr(module, constant, value)
     if hasattr(module, "least_threshold"):
-        monkeypatch.setattr(type(module.ops), "specialised_from", module.least_threshold())
+        monkeypatch.setattr(tuning.of(module.ops), "specialised_from", module.least_threshold())
 
 
 def force_fused(bk, monkeypatch):

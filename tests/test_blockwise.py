@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import blockwise, mods
+from multiattn import blockwise, mods, tuning
 from multiattn.masks import Masks
 
 from . import reference as ref
@@ -288,7 +288,7 @@ def test_the_automatic_block_size_follows_the_budget_and_the_cache(monkeypatch):
     # additive attention's blocks hold its features: hiddens per score
     assert blockwise.automatic_block_size(backend.ops, large, large, per_score=64) == blockwise.MIN_BLOCK
     side = blockwise.automatic_block_size(backend.ops, large, large)
-    monkeypatch.setattr(backend.ops, "compiled_block_scale", 2)  # compiled steps: larger blocks
+    monkeypatch.setattr(tuning.of(backend.ops), "compiled_block_scale", 2)  # compiled steps: larger blocks
     assert blockwise.automatic_block_size(backend.ops, large, large) == 2 * side
 
 
@@ -333,14 +333,14 @@ def test_block_size_with_weights_is_an_error(bk):
 @pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
 def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkeypatch):
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
-    here at a small size: each step alone; rows of them as programs (``Ops.compiled_rows``),
+    here at a small size: each step alone; rows of them as programs (``tuning.Tuning.compiled_rows``),
     several rows to a program (here three: four rows make two programs) or one; or a row in
     programs of one step each, the state passed between them (a program's budget holds one
     block); with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_PROGRAMS", weakref.WeakKeyDictionary())
     monkeypatch.setattr(blockwise, "ROWS_PER_PROGRAM", 1 if programs == "a row a program" else 3)
-    monkeypatch.setattr(bk.module.ops, "compiled_rows", programs != "steps")
+    monkeypatch.setattr(tuning.of(bk.module.ops), "compiled_rows", programs != "steps")
     if programs == "rows in parts":
         monkeypatch.setattr(blockwise, "PROGRAM_BUDGET_BYTES", 1)
     rng = np.random.default_rng(6)

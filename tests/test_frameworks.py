@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import multiattn
+from multiattn import tuning
 
 from . import reference as ref
 from .forcing import lower_thresholds
@@ -260,7 +261,7 @@ def test_jax_additive_blocks_under_jit_one_at_a_time(monkeypatch):
     from multiattn.backends import jax as m
 
     B, Q, K, h = 2, 300, 16, 32
-    monkeypatch.setattr(m.ops, "feature_block_elements", B * h * K * 7)  # 7 queries
+    monkeypatch.setattr(tuning.of(m.ops), "feature_block_elements", B * h * K * 7)  # 7 queries
     rng = np.random.default_rng(22)
     q, k, v = rng.normal(size=(B, Q, 3)), rng.normal(size=(B, K, 5)), rng.normal(size=(B, K, 2))
     W = [rng.normal(size=(h, 3)) * 0.5, rng.normal(size=(h, 5)) * 0.5, rng.normal(size=(h,))]
@@ -279,7 +280,7 @@ def test_jax_additive_blocks_under_jit_one_at_a_time(monkeypatch):
     temp = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert temp < B * Q * K * h * 4 / 4, f"{temp} bytes of temporaries: the features were materialized"
     blocked = jax.jit(jax.grad(loss, argnums=(0, 5)))(*args)
-    monkeypatch.setattr(m.ops, "feature_block_elements", B * Q * K * h)  # one block: no loop
+    monkeypatch.setattr(tuning.of(m.ops), "feature_block_elements", B * Q * K * h)  # one block: no loop
     whole = jax.grad(loss, argnums=(0, 5))(*args)
     for a, b in zip(blocked, whole):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
@@ -469,7 +470,7 @@ def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch
     def forward(q, k, v, W_q, W_k, w_v, lens):
         return m.additive_attention(q, k, v, lens, W_q=W_q, W_k=W_k, w_v=w_v)
 
-    monkeypatch.setattr(m.ops, "feature_block_elements", 2 * 5 * 7 * 2)  # 2 queries
+    monkeypatch.setattr(tuning.of(m.ops), "feature_block_elements", 2 * 5 * 7 * 2)  # 2 queries
     for fn, blocks in ((forward, 2), (mx.compile(forward), 0)):
         evaluated.clear()
         np.testing.assert_allclose(np.array(fn(*args)), want, rtol=1e-5, atol=1e-5)
@@ -481,7 +482,7 @@ def test_mlx_additive_blocks_evaluated_one_by_one_outside_transforms(monkeypatch
     np.testing.assert_allclose(np.array(batched), want, rtol=1e-5, atol=1e-5)
     grad = mx.grad(lambda *a: forward(*a).sum(), argnums=5)
     blocked = grad(*args)
-    monkeypatch.setattr(m.ops, "feature_block_elements", 10**9)
+    monkeypatch.setattr(tuning.of(m.ops), "feature_block_elements", 10**9)
     np.testing.assert_allclose(np.array(blocked), np.array(grad(*args)), rtol=1e-5, atol=1e-6)
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import specialise
+from multiattn import specialise, tuning
 
 from . import reference as ref
 from .forcing import force_blocks, force_fused
@@ -168,9 +168,9 @@ def test_additive_scores_in_blocks_equal_the_reference(
     from .test_specialisations import force_activation
 
     force_activation(bk, monkeypatch, activation)  # tanh(z) or 2 sigmoid(2z) - 1, forced
-    monkeypatch.setattr(bk.module.ops, "hiddens_innermost", hiddens_innermost)
+    monkeypatch.setattr(tuning.of(bk.module.ops), "hiddens_innermost", hiddens_innermost)
     # 3 x 6 x 7 = 126 features per query: 2 queries a block, the last block shorter
-    monkeypatch.setattr(bk.module.ops, "feature_block_elements", 260)
+    monkeypatch.setattr(tuning.of(bk.module.ops), "feature_block_elements", 260)
     shape = (3, 5, 7, 4, 3, 2)
     q, k, v, lens, rng = inputs(bk, dtype, shape, mask, seed=5, additive=True)
     weights = {"W_q": rng.normal(size=(6, 4)), "W_k": rng.normal(size=(6, 3)), "w_v": rng.normal(size=(6,))}

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import blockwise, mods
+from multiattn import blockwise, mods, tuning
 from multiattn.masks import Masks
 
 from . import reference as ref
@@ -260,7 +260,7 @@ def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypat
     areas = _score_areas(bk, monkeypatch)
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_has_compiler", lambda ops: True)
-    monkeypatch.setattr(bk.module.ops, "compiled_rows", False)
+    monkeypatch.setattr(tuning.of(bk.module.ops), "compiled_rows", False)
     monkeypatch.setattr(bk.module.ops, "softmax_with_lse", None)  # mxnet's fused path aside
     rng = np.random.default_rng(2)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")
@@ -379,9 +379,11 @@ def test_the_automatic_block_follows_the_mask_structure(monkeypatch):
     assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(512)) == min(side, 256)
     assert blockwise.automatic_block_size(ops, q, q, mask_mod=mods.sliding_window(8)) == blockwise.MIN_BLOCK
     assert mods.sliding_window(512).block_side(ops) == 256
-    monkeypatch.setattr(ops, "costly_steps", True)  # fewer, larger blocks: the band's two triangles
+    monkeypatch.setattr(
+        tuning.of(ops), "costly_steps", True
+    )  # fewer, larger blocks: the band's two triangles
     assert mods.sliding_window(512).block_side(ops) == 512
-    monkeypatch.setattr(ops, "costly_steps", False)
+    monkeypatch.setattr(tuning.of(ops), "costly_steps", False)
     ids = np.repeat(np.arange(8), 1024)[None]
     assert mods.document(ids).block_side(ops) == 1024
     assert mods.document(np.array([[0, 0, 0, 1, 1, 1, 1, 1]])).block_side(ops) == 1  # a start at 3

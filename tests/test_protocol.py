@@ -103,3 +103,35 @@ def test_the_protocol_imports_no_other_multiattn_module():
     # nor dynamically: no importlib, no __import__
     assert imported == [name for name in imported if name in ("__future__", "math", "typing")], imported
     assert "import_module" not in ast.unparse(tree) and "__import__" not in ast.unparse(tree)
+
+
+def test_the_optional_primitives_defaults_compute_what_the_adapters_do():
+    """A numpy adapter with every optional primitive at the protocol's default (written from
+    the required ones): masked softmax, attention with lengths (one per sequence, per query),
+    a boolean mask and causality, materialised and in blocks, against the float64 reference."""
+    from multiattn.backends.numpy import NumpyOps
+    from multiattn.functional import bind
+
+    from . import reference as ref
+
+    optional = [
+        name
+        for name, value in vars(protocol.Primitives).items()
+        if callable(value) and not name.startswith("_") and name not in protocol.REQUIRED
+    ]
+    assert {"matmul_t", "where", "logical_and", "length_mask", "causal_mask"} <= set(optional)
+    defaults = type("DefaultsOps", (NumpyOps,), {name: vars(protocol.Primitives)[name] for name in optional})
+    masked_softmax, attention, *_ = bind(defaults())
+    rng = np.random.default_rng(3)
+    q, k, v = rng.normal(size=(2, 9, 4)), rng.normal(size=(2, 11, 4)), rng.normal(size=(2, 11, 3))
+    mask = rng.random((2, 9, 11)) < 0.7
+    for lens in (np.array([11, 4]), rng.integers(0, 12, size=(2, 9)).astype(np.float64)):
+        want = ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=True)[0]
+        for block_size in (None, 4):
+            got = attention(q, k, v, lens, attention_mask=mask, causal=True, block_size=block_size)
+            np.testing.assert_allclose(got, want, atol=1e-12)
+        scores = rng.normal(size=(2, 9, 11))
+        got = masked_softmax(scores, lens, attention_mask=mask, causal=True)
+        np.testing.assert_allclose(
+            got, ref.masked_softmax(scores, lens, attention_mask=mask, causal=True), atol=1e-12
+        )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from multiattn import core, fast_paths, specialise
+from multiattn import core, fast_paths, specialise, tuning
 from multiattn.adapter import Ops
 from multiattn.masks import Masks
 
@@ -162,7 +162,7 @@ def force_activation(bk, monkeypatch, activation):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, activation, monkeypatch):
     ops = bk.module.ops
-    monkeypatch.setattr(ops, "hiddens_innermost", hiddens_innermost)
+    monkeypatch.setattr(tuning.of(ops), "hiddens_innermost", hiddens_innermost)
     forced = force_activation(bk, monkeypatch, activation)
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=3)
     q_hidden, k_hidden = ops.matmul_t(t["q"], t["W_q"]), ops.matmul_t(t["k"], t["W_k"])
@@ -175,7 +175,7 @@ def test_additive_scores_in_blocks(bk, dtype, step, hiddens_innermost, activatio
         assert_close(bk, math_scores, want, dtype)
     else:
         _both(bk, got, math_scores, want, dtype)
-    monkeypatch.setattr(ops, "feature_block_elements", B * K * H * step)
+    monkeypatch.setattr(tuning.of(ops), "feature_block_elements", B * K * H * step)
     offer = ops.additive_scores_in_blocks(q_hidden, k_hidden, t["w_v"], Masks())
     assert isinstance(offer, str) == (step == Q)  # offered by every backend where Q queries do not fit
 
@@ -207,7 +207,7 @@ def test_additive_features_over_the_visible_keys(bk, dtype, activation, monkeypa
     # each sequence's scores come from several blocks
     ops = bk.module.ops
     runs = force_additive_visible_keys(monkeypatch)
-    monkeypatch.setattr(ops, "feature_block_elements", 1)
+    monkeypatch.setattr(tuning.of(ops), "feature_block_elements", 1)
     force_activation(bk, monkeypatch, activation)
     t, a, lens, lens_t = _case(bk, dtype, "1d", seed=5)
     weights = {name: t[name] for name in ("W_q", "W_k", "w_v")}

@@ -7,6 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from multiattn import tuning
+
 from . import reference as ref
 from .forcing import lower_thresholds
 from .tolerances import tolerance
@@ -255,7 +257,7 @@ def _additive_case(rng):
 def tiny_blocks(monkeypatch, request):
     # 2 x 5 x 7 = 70 features per query: one query a block, the last block as small as the others;
     # the features as tanh(z) or 2 sigmoid(2z) - 1, whatever this CPU's calibration says
-    monkeypatch.setattr(_module().ops, "feature_block_elements", 70)
+    monkeypatch.setattr(tuning.of(_module().ops), "feature_block_elements", 70)
     monkeypatch.setattr(_module().ops, "tanh_by_sigmoid", lambda features: request.param == "sigmoid")
 
 
@@ -322,7 +324,7 @@ def test_the_sigmoid_calibration_runs_under_vmap_and_no_grad(monkeypatch):
 
     m = _module()
     monkeypatch.setattr(_machine, "_MEASURED", {})
-    monkeypatch.setattr(m.ops, "feature_block_elements", 70)
+    monkeypatch.setattr(tuning.of(m.ops), "feature_block_elements", 70)
     q, k, v, lens, W = _additive_case(np.random.default_rng(21))
     Wt = [torch.tensor(w) for w in W]
 
@@ -750,7 +752,7 @@ def test_small_lengths_masks_kept_by_value_follow_lengths_changed_in_place():
 
 
 def test_below_specialised_from_every_offer_declines():
-    """``TorchOps.specialised_from`` is the least of its offers' thresholds: scores just below
+    """torch's ``tuning.Tuning.specialised_from`` is the least of its offers' thresholds: scores just below
     it make every offer of the two steps it gates decline, so not asking them changes nothing."""
     import torch
 
@@ -758,8 +760,8 @@ def test_below_specialised_from_every_offer_declines():
     from multiattn.masks import Masks
 
     m = _module()
-    assert m.TorchOps.specialised_from == m.least_threshold() > 1
-    n_keys = m.TorchOps.specialised_from - 1  # one query: that many scores
+    assert tuning.of(m.ops).specialised_from == m.least_threshold() > 1
+    n_keys = tuning.of(m.ops).specialised_from - 1  # one query: that many scores
     q, k, v = (torch.randn(1, rows, 8) for rows in (1, n_keys, n_keys))
     for masks in (Masks(torch.tensor([n_keys // 4])), Masks()):
         for need_weights in (True, False):

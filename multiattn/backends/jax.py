@@ -42,16 +42,11 @@ except ImportError:  # an older or newer jax: every tracer counts as unknown
 class JaxOps(NumpyLikeOps):
     name = "jax"
     xp = jnp
-    # XLA fuses the sum, tanh and w_v reduction of the additive features best this way
-    hiddens_innermost = True
 
     def dtype_kind(self, x):
         if jnp.issubdtype(x.dtype, jnp.floating):  # bfloat16's numpy kind is 'V'
             return "f"
         return np.dtype(x.dtype).kind
-
-    compiled_block_scale = 2  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
-    costly_steps = True  # a jitted call's dispatch
 
     def compiled(self, step):
         # one dispatch per block instead of one per op (inlined under an outer jit)

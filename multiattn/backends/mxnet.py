@@ -18,7 +18,7 @@ with framework_imports("mxnet"):  # not installed: an error naming the install
 
 import numpy as onp
 
-from .. import fast_paths, mods
+from .. import fast_paths, mods, tuning
 from .._machine import measured_faster
 from ..adapter import Ops
 from ..functional import bind
@@ -79,7 +79,7 @@ class MxnetOps(Ops):
             (dtype, str(ctx)),
             lambda x: npx.sigmoid(x).wait_to_read(),
             lambda x: np.tanh(x).wait_to_read(),
-            lambda: np.linspace(-4.0, 4.0, self.feature_block_elements, ctx=ctx).astype(dtype),
+            lambda: np.linspace(-4.0, 4.0, tuning.of(self).feature_block_elements, ctx=ctx).astype(dtype),
         )
 
     def sigmoid_of_sum(self, a, b, buffers):

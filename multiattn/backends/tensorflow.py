@@ -51,8 +51,6 @@ _HALF = (tf.float16, tf.bfloat16)
 
 class TensorFlowOps(Ops):
     name = "tensorflow"
-    # additive features in blocks larger than the default: each eager op has a high fixed cost
-    feature_block_elements = 1 << 22
 
     def shape(self, x):
         return tuple(x.shape)
@@ -167,10 +165,6 @@ class TensorFlowOps(Ops):
 
     def maximum(self, a, b):
         return tf.maximum(a, tf.constant(b, dtype=a.dtype) if isinstance(b, float) else b)
-
-    compiled_block_scale = 4  # fewer, larger fused blocks (benchmarks/RESULTS.md, long sequences)
-    costly_steps = True  # a compiled call's dispatch
-    compiled_rows = True  # a few blocks per dispatch, scheduled by XLA (benchmarks/RESULTS.md)
 
     def compiled(self, step):
         # XLA fuses a block's exp, sums and rescaling; eagerly each would be an op of its own

@@ -15,8 +15,8 @@ with framework_imports("torch"):  # not installed: an error naming the install
     import torch
     from torch.nn import functional as F
 
-from .. import _registry, blockwise, fast_paths, state
-from .._machine import l2_cache_bytes, measured_faster
+from .. import _registry, blockwise, fast_paths, state, tuning
+from .._machine import measured_faster
 from ..adapter import Ops
 from ..functional import bind
 
@@ -41,15 +41,9 @@ _KINDS = {dtype: _kind(dtype) for dtype in vars(torch).values() if isinstance(dt
 
 class TorchOps(Ops):
     name = "torch"
-    # one block of float32 additive features fills one core's L2: the sum, the activation and
-    # the w_v product stay in it (the block size measured best: benchmarks/RESULTS.md)
-    feature_block_elements = l2_cache_bytes() // 4
 
     # a torch.Size (a tuple); a C method: no Python frame, and torch.compile traces it
     shape = staticmethod(torch.Tensor.size)
-
-    # below it every offer declines (``least_threshold``, set after the thresholds below)
-    specialised_from = 0
 
     def dtype_kind(self, x):
         # the checks read it on every call: a dict made once (torch.compile guards on one that grows)
@@ -100,7 +94,8 @@ class TorchOps(Ops):
             return False
         dtype, device = features.dtype, features.device
         # a fixed ramp, not random numbers: random ops are refused inside torch.func.vmap
-        ramp = lambda: torch.linspace(-4.0, 4.0, self.feature_block_elements, device=device).to(dtype)  # noqa: E731
+        size = tuning.of(self).feature_block_elements
+        ramp = lambda: torch.linspace(-4.0, 4.0, size, device=device).to(dtype)  # noqa: E731
         return measured_faster((dtype, device), torch.sigmoid, torch.tanh, ramp)
 
     def sigmoid_of_sum(self, a, b, buffers):
@@ -646,13 +641,13 @@ def _positions(n: int, device: Optional[torch.device]) -> torch.Tensor:
 
 def least_threshold() -> int:
     """The fewest scores at which an offer of ``dot_product_attend`` or ``masked_softmax`` may
-    run: ``TorchOps.specialised_from`` (tests that lower a threshold set it anew)."""
+    run: torch's ``tuning.Tuning.specialised_from`` (tests that lower a threshold set it anew)."""
     return min(
         SMALL_ELEMENTS, SLICE_MIN_SEQUENCE_ELEMENTS, VISIBLE_KEYS_MIN_SEQUENCE_SCORES, FUSED_MIN_SCORES
     )
 
 
-TorchOps.specialised_from = least_threshold()
+tuning.TUNING["torch"].specialised_from = least_threshold()
 ops = TorchOps()
 masked_softmax, dot_product_attention, additive_attention, multi_head_attention = bind(ops)
 __getattr__ = _registry.layer_exports("torch")
