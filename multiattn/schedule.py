@@ -21,6 +21,9 @@ def dot_product_in_blocks(
 ) -> Optional[tuple]:  # fmt: skip
     """(output, lse (B, [H,] Q) or None) of ``core.dot_product_attention`` without the scores
     whole, in blocks of block_size (None: where the scores would exceed the budget), else None."""
+    done = specialise.run(ops, "attend_in_chunks", queries, keys, values, masks, scale, score_mod, block_size)
+    if done is not None:  # lazy arrays whose chunks are tasks
+        return done[0], (done[1] if need_lse else None)
     forced = block_size is not None
     block_size = block_size or blockwise.automatic_block_size(
         ops, queries, keys, mask_mod=masks.mask_mod, masks=masks

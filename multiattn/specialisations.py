@@ -63,6 +63,17 @@ class Specialisations:
         (``blockwise``), never holds the scores whole and is faster than them."""
         return NOT_OFFERED
 
+    # -- step ``attend_in_chunks``: arrays whose chunks are tasks (dask) -----------------------
+
+    def attend_over_chunks(
+        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float, score_mod: Any,
+        block_size: Any,
+    ) -> Offer:  # fmt: skip
+        """(output, lse) as lazy arrays: each (batch, query, key) chunk one task giving its
+        partial state by the chunks' own backend, merged by a tree reduction
+        (``sharding.chunked``); no weights."""
+        return NOT_OFFERED
+
     # -- step ``masked_softmax``: the weights, and the values with hidden rows zeroed ----------
 
     def masked_softmax_writing_padding(
@@ -140,6 +151,7 @@ class Specialisations:
 
 OFFERS = (
     "attend_by_flash_kernel",
+    "attend_over_chunks",
     "attend_over_visible_keys",
     "attend_fused",
     "masked_softmax_writing_padding",

@@ -22,6 +22,7 @@ from . import tuning
 ORDER = {
     "dot_product_attend": ("attend_over_visible_keys", "attend_fused"),
     "attend_past_memory": ("attend_by_flash_kernel",),
+    "attend_in_chunks": ("attend_over_chunks",),
     "masked_softmax": ("masked_softmax_writing_padding", "masked_softmax_in_scores_memory"),
     "additive_scores": ("additive_scores_over_visible_keys", "additive_scores_in_blocks"),
 }

@@ -63,6 +63,76 @@ def test_the_keys_axis_may_be_chunked_too(client):
     np.testing.assert_allclose(out.compute(), ref.dot_product_attention(q, k, v, np.array(n))[0], rtol=1e-12)
 
 
+def test_a_key_chunk_is_one_task_whatever_the_block_size():
+    """dot_product_attention on dask arrays: each (query chunk, key chunk) one task giving its
+    partial state, a tree merging them; the graph is a few tasks per chunk, inputs included."""
+    import dask.array as da
+
+    keys = da.random.default_rng(0).standard_normal((1, 4096, 8), chunks=(1, 256, 8))  # 16 chunks
+    queries = da.random.default_rng(1).standard_normal((1, 512, 8), chunks=(1, 256, 8))
+    out, lse = multiattn.dot_product_attention(
+        queries, keys, keys, da.from_array(np.array([3000])), return_lse=True, block_size=64
+    )
+    tasks = dict(da.Array.__dask_graph__(out)) | dict(da.Array.__dask_graph__(lse))
+    partials = [key for key in tasks if "attention-of-a-key-chunk" in str(key)]
+    assert len(partials) == 2 * 16, "one task per (query chunk, key chunk), not per block"
+    assert len(tasks) <= 8 * 16, f"{len(tasks)} tasks for 16 key chunks"
+
+
+@pytest.mark.parametrize("mask", ["causal+lengths", "lengths per query", "window", "document+score"])
+def test_masks_and_mods_cross_the_chunk_boundaries_exactly(client, mask):
+    """Batch, queries and keys chunked (4-D, grouped heads): causality, lengths, a sliding window
+    and documents at each chunk's absolute positions, and a score function seeing them,
+    against the float64 reference; output and lse."""
+    import dask.array as da
+
+    from multiattn import mods
+
+    rng = np.random.default_rng(7)
+    B, H, H_kv, N, d = 4, 2, 1, 20, 3
+    q, k, v = (
+        rng.normal(size=(B, H, N, d)),
+        rng.normal(size=(B, H_kv, N, d)),
+        rng.normal(size=(B, H_kv, N, 2)),
+    )
+    ids = np.sort(rng.integers(0, 4, size=(B, N)), axis=1)
+    kwargs, want_kwargs = {}, {}
+    if mask == "causal+lengths":
+        lens = np.array([20, 7, 0, 13])
+        kwargs, want_kwargs = dict(causal=True), dict(causal=True, valid_lens=lens)
+    elif mask == "lengths per query":
+        lens = rng.integers(0, N + 2, size=(B, N))
+        want_kwargs = dict(valid_lens=lens)
+    elif mask == "window":
+        lens = None
+        kwargs = dict(mask_mod=mods.sliding_window(5))
+        want_kwargs = dict(mask_fn=lambda b, h, i, j: 0 <= i - j < 5)
+    else:
+        lens = None
+        kwargs = dict(
+            mask_mod=mods.document(ids),
+            score_mod=lambda s, b, h, q_idx, kv_idx: s - 0.1 * abs(q_idx - kv_idx),
+        )
+        want_kwargs = dict(
+            mask_fn=lambda b, h, i, j: ids[b, i] == ids[b, j],
+            score_fn=lambda s, b, h, i, j: s - 0.1 * abs(i - j),
+        )
+    chunked = [da.from_array(x, chunks=(2, x.shape[1], 8, x.shape[-1])) for x in (q,)] + [
+        da.from_array(x, chunks=(2, x.shape[1], 6, x.shape[-1])) for x in (k, v)
+    ]
+    lens_t = None if lens is None else da.from_array(lens, chunks=(2,) + lens.shape[1:])
+    out, lse = multiattn.dot_product_attention(*chunked, lens_t, return_lse=True, **kwargs)
+    got, got_lse = results(client.compute([out, lse]))
+    want, weights = ref.heads_attention(q, k, v, **want_kwargs)
+    np.testing.assert_allclose(got, want, atol=1e-12)
+    fn = want_kwargs.get("mask_fn")
+    if fn is None:  # lengths and causality as a mask function for heads_lse
+        shown = ref.visible((B, N, N), lens, None, kwargs.get("causal", False))
+        fn = lambda b, h, i, j: shown[b, i, j]  # noqa: E731
+    want_lse = ref.heads_lse(q, k, mask_fn=fn, score_fn=want_kwargs.get("score_fn"))
+    np.testing.assert_allclose(got_lse, want_lse, atol=1e-12)
+
+
 # -- past one machine along the keys: multiattn.sharding -----------------------------------------
 
 MEMORY_LIMIT = 256 * 2**20  # per worker; a worker process starts at about 65 MiB
@@ -277,16 +347,16 @@ def test_a_worker_killed_mid_computation_leaves_the_result_exact(long_keys):
     import signal
     import time
 
+    import dask.array as da
     from distributed import Client, LocalCluster
-
-    from multiattn.sharding import attention_over_key_chunks
 
     (q, k, v, lens), (want, want_lse) = long_keys
     with LocalCluster(
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, memory_limit=MEMORY_LIMIT
     ) as cluster, Client(cluster) as client:  # fmt: skip
         pids = _pids(client)
-        out, lse = attention_over_key_chunks(q, k, v, lens, block_size=512)
+        lazy_lens = da.from_array(lens)  # the user's call: one task per key chunk, as above
+        out, lse = multiattn.dot_product_attention(q, k, v, lazy_lens, return_lse=True, block_size=512)
         futures = client.compute([out, lse])
         deadline, victim = time.monotonic() + 60, None
         while victim is None:  # the first worker to hold a finished key chunk's partial

@@ -43,6 +43,7 @@ OFFERED_BY = {
     "attend_fused": ("torch", "jax", "mlx"),
     "attend_over_visible_keys": ("torch",),
     "attend_by_flash_kernel": ("torch",),
+    "attend_over_chunks": ("array_api",),  # dask arrays only (tests/test_dask.py)
 }
 
 

@@ -17,7 +17,7 @@ from .._registry import framework_imports  # noqa: E402
 with framework_imports("array_api"):  # not installed: an error naming the install
     from array_api_compat import array_namespace, device
 
-from .. import mods
+from .. import mods, sharding
 from ..adapter import Ops
 from ..functional import bind
 
@@ -149,6 +149,9 @@ class ArrayApiOps(Ops):
         if isinstance(b, float):
             b = xp.asarray(b, dtype=a.dtype, device=device(a))
         return xp.maximum(a, b)
+
+    def attend_over_chunks(self, queries, keys, values, masks, scale, score_mod, block_size):
+        return sharding.offer(queries, keys, values, masks, scale, score_mod, block_size)
 
     def host_values(self, x):
         try:  # through DLPack: host arrays only
