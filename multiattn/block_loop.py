@@ -16,8 +16,8 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from . import blockwise, heads, mods
-from .masks import Masks, all_of, visible_values
+from . import blockwise, heads
+from .masks import Masks, block_visibility, visible_values
 from .state import NEG_INF, block_sums, empty, finish
 
 Tensor = Any
@@ -94,14 +94,14 @@ class _Blocks:
         self.kv_index, self.kv_count, self.q_index, self.q_count = (
             table(x, like) for x in (bmap.kv_index, bmap.kv_count, bmap.q_index, bmap.q_count)
         )
-        self.lens = masks.valid_lens
-        if self.lens is not None and len(ops.shape(self.lens)) == 2:
-            self.lens = _padded(ops, self.lens, self.q_rows, axis=-1)
-        self.mask = masks.attention_mask
-        if self.mask is not None:
+        lens, mask = masks.valid_lens, masks.attention_mask  # padded to whole blocks
+        if lens is not None and len(ops.shape(lens)) == 2:
+            lens = _padded(ops, lens, self.q_rows, axis=-1)
+        if mask is not None:
             for axis, rows in ((-2, self.q_rows), (-1, self.k_rows)):
-                if ops.shape(self.mask)[axis] != 1:  # else broadcast
-                    self.mask = _padded(ops, self.mask, rows, axis)
+                if len(ops.shape(mask)) >= -axis and ops.shape(mask)[axis] != 1:  # else broadcast
+                    mask = _padded(ops, mask, rows, axis)
+        self.padded = dict(valid_lens=lens, attention_mask=mask, causal=masks.causal, mask_mod=masks.mask_mod)
         self.some = not masks.none or (self.q_rows, self.k_rows) != (bmap.n_queries, bmap.n_keys)
 
     def q(self, x: Tensor) -> Tensor:
@@ -114,26 +114,15 @@ class _Blocks:
         """The boolean mask of the block at (q0, k0), broadcastable to its scores; None: all seen."""
         if not self.some:
             return None
-        ops, masks, b, found = self.ops, self.masks, self.bmap.block, []
-        k_pos = ops.positions(0, b, like) + k0
-        if self.k_rows != self.bmap.n_keys:  # the padding
-            found.append(k_pos < self.bmap.n_keys)
-        if self.q_rows != self.bmap.n_queries:  # a padded query's score with a key of -inf is NaN
-            found.append(ops.expand_dims(ops.positions(0, b, like) + q0, -1) < self.bmap.n_queries)
-        if masks.causal:
-            found.append(k_pos <= ops.expand_dims(ops.positions(0, b, like) + q0, -1))
-        if self.lens is not None:
-            lens = self.lens if len(ops.shape(self.lens)) == 1 else ops.rows_at(self.lens, q0, b, axis=-1)
-            found.append(ops.length_mask(ops.zeros((b, 1), like), lens - ops.cast(k0, lens), axis=-2))
-        if self.mask is not None:
-            mask = self.mask
-            for axis, start in ((-2, q0), (-1, k0)):
-                mask = ops.rows_at(mask, start, b, axis) if ops.shape(mask)[axis] != 1 else mask
-            found.append(mask)
-        if masks.mask_mod is not None:
-            block = mods.TracedBlock(q0, k0, (b, b)) if ops.loop_primitives else (q0, q0 + b, k0, k0 + b)
-            found.append(masks.mask_mod.values(ops, like, self.heads, block, self.batch))
-        return all_of(ops, found, self.rank)
+        bmap, b = self.bmap, self.bmap.block
+        limits = (
+            None if self.q_rows == bmap.n_queries else bmap.n_queries,
+            None if self.k_rows == bmap.n_keys else bmap.n_keys,  # the padding
+        )
+        return block_visibility(
+            self.ops, like, q0, k0, b, b, rank=self.rank, heads=self.heads, batch=self.batch, limits=limits,
+            **self.padded,
+        )  # fmt: skip
 
     def scores(self, q: Tensor, k: Tensor, v: Tensor, q0: Any, k0: Any) -> Tuple[Tensor, Tensor, Any]:
         """A block's scores (q scaled) with the hidden ones -inf, its values with the rows no

@@ -28,7 +28,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import numpy as np
 
 from . import _machine, heads, tuning
-from .masks import Masks, all_of, visible_values
+from .masks import Masks, block_visibility, visible_values
 from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, merge_sums, weights
 
 Tensor = Any
@@ -238,21 +238,12 @@ class Plan:
         key = masks.mask_mod.values_key((q0, q1, k0, k1)) if parts == ("mod",) else None
         if key is not None and key in self._visible:  # a block alike (a window's): its mask
             return self._visible[key]
-        found = []
-        if "lengths" in parts:
-            lens = masks.valid_lens
-            lens = lens if len(ops.shape(lens)) == 1 else lens[:, q0:q1]
-            found.append(ops.length_mask(k_block, lens - k0, axis=-2))
-        if "mask" in parts:
-            found.append(_block_of(masks.attention_mask, q0, q1, k0, k1))
-        if "causal" in parts and q0 == k0:  # a block on the diagonal
-            found.append(ops.causal_mask(q1 - q0, k1 - k0, k_block))
-        elif "causal" in parts:  # any other rectangle: key j visible from query i iff j <= i
-            q_idx = ops.expand_dims(ops.positions(q0, q1, k_block), -1)
-            found.append(ops.expand_dims(ops.positions(k0, k1, k_block), 0) <= q_idx)
-        if "mod" in parts:
-            found.append(self._mod_values((q0, q1, k0, k1), q_block))
-        visible = all_of(ops, found, len(ops.shape(q_block)))
+        visible = block_visibility(
+            ops, k_block, q0, k0, q1 - q0, k1 - k0, rank=len(ops.shape(q_block)),
+            valid_lens=masks.valid_lens if "lengths" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in parts else None, causal="causal" in parts,
+            mod_values=self._mod_values((q0, q1, k0, k1), q_block) if "mod" in parts else None,
+        )  # fmt: skip
         if key is not None:
             self._visible[key] = visible
         return visible

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from . import heads
+from . import heads, mods
 
 Tensor = Any
 Ops = Any  # adapter.Ops
@@ -96,14 +96,72 @@ def visibility(
     else:
         like, rank, key_axis = queries, len(ops.shape(queries)), -2
         n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
-    parts = []
-    if masks.valid_lens is not None:
-        parts.append(ops.length_mask(like if scores is not None else keys, masks.valid_lens, axis=key_axis))
-    if masks.attention_mask is not None:
-        parts.append(masks.attention_mask)
-    if masks.causal:
-        parts.append(ops.causal_mask(n_queries, n_keys, like))
-    return all_of(ops, parts, rank)
+    return block_visibility(
+        ops, like, 0, 0, n_queries, n_keys, rank=rank, valid_lens=masks.valid_lens,
+        attention_mask=masks.attention_mask, causal=masks.causal, keys=like if scores is not None else keys,
+        key_axis=key_axis,
+    )  # fmt: skip
+
+
+def block_visibility(
+    ops: Ops, like: Tensor, q0: Any, k0: Any, n_queries: Any, n_keys: Any, *, rank: int,
+    valid_lens: Tensor = None, attention_mask: Tensor = None, causal: bool = False, mask_mod: Any = None,
+    heads: Optional[int] = None, batch: Any = None, mod_values: Tensor = None, limits: tuple = (None, None),
+    keys: Tensor = None, key_axis: int = -2,
+) -> Optional[Tensor]:  # fmt: skip
+    """Which key each query may see in the block of queries q0 .. q0 + n_queries - 1 and keys
+    k0 .. k0 + n_keys - 1, broadcastable to its scores (B, [H,] n_queries, n_keys) of rank
+    rank: the lengths, the boolean mask, causality, the mask function (its booleans mod_values
+    where already made), and limits (queries, keys): rows and columns at or past them hidden
+    (a padded block's); None where every key is.  q0 and k0: ints, or scalar tensors where a
+    compiled loop places the block (``ops.rows_at`` slices there); like: a tensor on the device;
+    keys: a tensor whose axis key_axis holds the block's keys (where their number is traced)."""
+    found, at_ints = [], isinstance(q0, int) and isinstance(k0, int)
+    diagonal = causal and at_ints and q0 == k0  # key k0 + j, query q0 + i: j <= i
+    key_pos = query_pos = None
+    if (causal and not diagonal) or limits != (None, None):
+        key_pos = ops.positions(0, n_keys, like) + k0
+        query_pos = ops.expand_dims(ops.positions(0, n_queries, like) + q0, -1)
+    if limits[1] is not None:
+        found.append(key_pos < limits[1])
+    if limits[0] is not None:  # a padded query's score with a key of -inf is NaN: hidden
+        found.append(query_pos < limits[0])
+    if diagonal:
+        found.append(ops.causal_mask(n_queries, n_keys, like))
+    elif causal:
+        found.append(key_pos <= query_pos)
+    if valid_lens is not None:
+        lens = valid_lens if len(ops.shape(valid_lens)) == 1 else _rows(ops, valid_lens, q0, n_queries, -1)
+        keys = ops.zeros((n_keys, 1), like) if keys is None else keys
+        found.append(ops.length_mask(keys, lens - _like(ops, k0, lens), axis=key_axis))
+    if attention_mask is not None:
+        mask, shape = attention_mask, ops.shape(attention_mask)
+        if len(shape) > 1 and shape[-2] != 1:  # else broadcast
+            mask = _rows(ops, mask, q0, n_queries, -2)
+        if shape[-1] != 1:
+            mask = _rows(ops, mask, k0, n_keys, -1)
+        found.append(mask)
+    if mask_mod is not None and mod_values is None:
+        sizes = (n_queries, n_keys)
+        block = (q0, q0 + n_queries, k0, k0 + n_keys) if at_ints else mods.TracedBlock(q0, k0, sizes)
+        mod_values = mask_mod.values(ops, like, heads, block, batch)
+    if mod_values is not None:
+        found.append(mod_values)
+    return all_of(ops, found, rank)
+
+
+def _rows(ops: Ops, x: Tensor, start: Any, size: Any, axis: int) -> Tensor:
+    """x's size entries from start along axis: a slice where start is an int (x itself where
+    that is all of them)."""
+    if isinstance(start, int):
+        if start == 0 and ops.shape(x)[axis] == size:
+            return x
+        return x[(Ellipsis, slice(start, start + size)) + (slice(None),) * (-axis - 1)]
+    return ops.rows_at(x, start, size, axis)
+
+
+def _like(ops: Ops, k0: Any, lens: Tensor) -> Any:
+    return k0 if isinstance(k0, int) else ops.cast(k0, lens)
 
 
 def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:

@@ -329,3 +329,21 @@ def test_the_partial_state_and_its_merge_are_written_once():
     assert {fn: found[fn] for fn in STATE_FUNCTIONS} == {fn: [f"{NAME}.state"] for fn in STATE_FUNCTIONS}
     assert not any(found[old] for old in ("_online", "_merged")), dict(found)  # the copies before
     assert merges == [], f"an lse merge outside multiattn.state: {merges}"
+
+
+def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
+    """Both block loops are differentiated through one wrapper (``blockwise.differentiated``,
+    the package's one call of ``ops.custom_gradient``), and the masks of a block, of the whole
+    scores and of a compiled loop's padded block are made by ``masks.block_visibility`` alone
+    (no other module builds a mask from lengths)."""
+    calls = defaultdict(list)
+    for name, path in _modules().items():
+        if f"{NAME}.backends." in name:
+            continue
+        source = path.read_text()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr in ("custom_gradient", "length_mask"):
+                    calls[node.func.attr].append(name)
+    assert calls["custom_gradient"] == [f"{NAME}.blockwise"], dict(calls)
+    assert set(calls["length_mask"]) == {f"{NAME}.masks"}, dict(calls)
