@@ -163,10 +163,10 @@ def offer(
 ) -> Any:
     """``Specialisations.attend_over_chunks`` for dask arrays: a function giving (output, lse)
     by ``chunked``, or why it declines."""
+    if not all(type(x).__module__.startswith("dask.") for x in (queries, keys, values)):
+        return "not dask arrays"  # (dask, where it is not installed, is not imported)
     import dask.array as da
 
-    if not all(isinstance(x, da.Array) for x in (queries, keys, values)):
-        return "not dask arrays"
     if masks.attention_mask is not None:
         return "a boolean attention_mask: its chunks would follow the scores' (the block loop takes it)"
     if any(np.isnan(size) for x in (queries, keys, values) for size in x.shape):
@@ -179,20 +179,9 @@ def offer(
 
 
 def _partial(
-    q,
-    k,
-    v,
-    q_pos,
-    k_pos,
-    lens,
-    *,
-    causal: bool,
-    block_size: Optional[int],
-    packed,
-    mask_mod,
-    score_mod,
+    q, k, v, q_pos, k_pos, lens, *, causal: bool, block_size: Optional[int], packed, mask_mod, score_mod,
     scale,
-) -> np.ndarray:
+) -> np.ndarray:  # fmt: skip
     """One key chunk's (output, lse), packed as (b, [h,] q, 1, v + 1) of dtype packed: lse the last
     column."""
     from . import core, mods
