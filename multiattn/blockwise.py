@@ -458,7 +458,7 @@ def _has_compiler(ops: Ops) -> bool:
 COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
 # ops -> {(step kinds, tensor counts, resumed, last): compiled program of a row's steps,
 # ("rows", ((step kinds, tensor counts) of each row)): program of rows, ("step", kind, compiled,
-# finishing): a step}; an adapter's programs go with it
+# finishing): a step}; keyed by the adapter itself, not by an id() another object may reuse
 _PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
