@@ -138,7 +138,7 @@ def block_visibility(
         mask, shape = attention_mask, ops.shape(attention_mask)
         if len(shape) > 1 and shape[-2] != 1:  # else broadcast
             mask = _rows(ops, mask, q0, n_queries, -2)
-        if shape[-1] != 1:
+        if len(shape) > 0 and shape[-1] != 1:  # a mask function's scalar: broadcast
             mask = _rows(ops, mask, k0, n_keys, -1)
         found.append(mask)
     if mask_mod is not None and mod_values is None:
