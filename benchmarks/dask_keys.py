@@ -13,9 +13,9 @@ loop builds for the same call (specialisations off; it may take minutes at large
 ``--kill``: again, with a worker killed once a key chunk's partial is held.
 
 This process and the workers run with glibc's ``MALLOC_TOP_PAD_`` of 64 MiB (``--allocator
-default``: as they come): each block's arrays are new, and where the heap is trimmed between
-blocks (as dask's workers do by default, ``MALLOC_TRIM_THRESHOLD_`` 64 KiB) their pages are
-faulted in anew each time, which under this VM costs up to 4x the block's arithmetic; a
+default``: as they come): each block's new arrays, where the heap is trimmed between blocks
+(as dask's workers do by default, ``MALLOC_TRIM_THRESHOLD_`` 64 KiB), have their pages faulted
+in anew each time, which under this VM costs a large part of the block's arithmetic; a
 process's own heap history decides it otherwise (benchmarks/RESULTS.md, 2026-12-07 second).
 """
 

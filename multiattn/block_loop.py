@@ -158,7 +158,7 @@ def _forward(ops, bmap, queries, keys, values, masks, scale):
         def key_block(j, state):
             k0 = blocks.kv_index[i][j] * b
             s, v, _ = blocks.scores(q, ops.rows_at(k_all, k0, b), ops.rows_at(v_all, k0, b), q0, k0)
-            return block_sums(ops, s, v, None, state)
+            return block_sums(ops, s, v, None, state, owned=True)
 
         start = empty(ops, rows, ops.shape(values)[-1], q)
         return finish(ops, ops.loop(blocks.kv_count[i], key_block, start))

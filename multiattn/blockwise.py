@@ -564,7 +564,7 @@ def _step(
     key = ("step", kind, compiled, finishing)
     found = _programs(ops).get(key) if cached else None
     if found is None:
-        step = _made(ops, kind, functools.partial(heads.matmul_t, ops))
+        step = _made(ops, kind, functools.partial(heads.matmul_t, ops), owned=True)
         step = functools.partial(_finishing, ops, step) if finishing else step
         found = ops.compiled(step) if compiled else step
         if cached:
@@ -576,17 +576,20 @@ def _finishing(ops: Ops, step: Callable[..., tuple], *tensors: Tensor) -> Tuple[
     return finish(ops, step(*tensors))
 
 
-def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) -> Callable[..., tuple]:
+def _made(
+    ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None, owned: bool = False
+) -> Callable[..., tuple]:
     """The step of a kind over score, a function of tensors alone: step(q, k, v[, seen],
     *state), state (m, l, O) from the blocks before, none for a row's first.  start: where the
-    block is (q0, k0), for a caller's scores on a block's parts (None: they do not depend on it)."""
+    block is (q0, k0), for a caller's scores on a block's parts (None: they do not depend on it);
+    owned: score's results are new arrays, which the step may overwrite (not a caller's)."""
     at = (
         functools.partial(_same_score, score)
         if start is None
         else functools.partial(_score_at, score, *start)
     )
     if kind == FULL:
-        return functools.partial(_full, ops, score)
+        return functools.partial(_full, ops, score, owned)
     if kind == FULL_FUSED:
         return functools.partial(_full_fused, ops, score)
     if kind == PARTIAL_FUSED:
@@ -599,8 +602,8 @@ def _made(ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None) ->
     return functools.partial(_halves, ops, at, columns, mask_values)
 
 
-def _full(ops, score, q, k, v, *state):
-    return block_sums(ops, score(q, k), v, None, state or None)
+def _full(ops, score, owned, q, k, v, *state):
+    return block_sums(ops, score(q, k), v, None, state or None, owned)
 
 
 def _full_fused(ops, score, q, k, v, *state):

@@ -381,7 +381,8 @@ class Call:
         splits, _, kv_heads, _, _, size = ops.shape(scores)
         if self.score_mod is not None:
             scores = self._score_mod(scores, at)
-        top, p, total = state.block_weights(ops, scores, self._visible(at, splits, size, scores))
+        visible = self._visible(at, splits, size, scores)
+        top, p, total = state.block_weights(ops, scores, visible, owned=self.score_mod is None)
         five = (splits, self.batch, kv_heads, self.groups * self.n)  # the heads' rows as one
         top, total = ops.reshape(top, five + (1,)), ops.reshape(total, five + (1,))
         p = ops.reshape(p, five + (size,))

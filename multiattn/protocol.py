@@ -201,6 +201,11 @@ class Primitives:
             row = self.concat([row[..., :start, :], rows, row[..., start + n :, :]], -2)
             return self.concat([x[:split, ...], self.expand_dims(row, 0), x[split + 1 :, ...]], 0)
 
+    def exp_minus(self, x: Tensor, m: Tensor, owned: bool = False) -> Tensor:
+        """exp(x - m), m broadcast; owned: x is the caller's own and read no more, so the result
+        may take x's memory (a block's scores: no new array, no new pages to fault in)."""
+        return self.exp(x - m)
+
     def broadcast_to(self, x: Tensor, shape: Shape) -> Tensor:
         """x broadcast to shape, as an operand whose every batch element a batched product
         computes alike (a view where the framework has them)."""

@@ -35,25 +35,30 @@ def finite(ops: Ops, m: Tensor) -> Tensor:
     return ops.maximum(m, ops.lowest(m))
 
 
-def block_weights(ops: Ops, scores: Tensor, seen: Optional[Tensor] = None, top: Optional[Tensor] = None):
+def block_weights(
+    ops: Ops, scores: Tensor, seen: Optional[Tensor] = None, top: Optional[Tensor] = None, owned: bool = False
+):
     """(row max, exp(s - max), their sum) of a block's scores (..., Q, K); seen: which are
-    visible (None: all but those of -inf); top: a running max to take the max with."""
+    visible (None: all but those of -inf); top: a running max to take the max with; owned:
+    the scores are the caller's own, read no more (their memory may take the weights)."""
     if seen is not None:
-        scores = ops.where(seen, scores, NEG_INF)
+        scores, owned = ops.where(seen, scores, NEG_INF), True
     block_top = ops.max(scores, -1)
     top = block_top if top is None else ops.maximum(top, block_top)
-    p = ops.exp(scores - finite(ops, top))
+    p = ops.exp_minus(scores, finite(ops, top), owned)
     if seen is not None:  # exactly 0: paddle's exp(-inf) is a denormal, and products with them crawl
         p = ops.where(seen, p, 0.0)
     return top, p, ops.sum(p, -1)
 
 
 def block_sums(
-    ops: Ops, scores: Tensor, values: Tensor, seen: Optional[Tensor] = None, running: Optional[Sums] = None
-) -> Sums:
+    ops: Ops, scores: Tensor, values: Tensor, seen: Optional[Tensor] = None, running: Optional[Sums] = None,
+    owned: bool = False,
+) -> Sums:  # fmt: skip
     """One block's sums, merged into the running sums where given: the block's exponentials are
-    taken against the merged max, so only the running sums are rescaled (the online softmax)."""
-    top, p, total = block_weights(ops, scores, seen, None if running is None else running[0])
+    taken against the merged max, so only the running sums are rescaled (the online softmax).
+    owned: the scores are the caller's own, read no more (``block_weights``)."""
+    top, p, total = block_weights(ops, scores, seen, None if running is None else running[0], owned)
     weighted = pooled(ops, p, values)
     if running is None:
         return top, total, weighted

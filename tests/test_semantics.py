@@ -111,6 +111,9 @@ def test_inputs_never_modified(bk, n_queries, n_keys):
     multiattn.masked_softmax(X, lens)
     multiattn.masked_softmax(X)
     multiattn.dot_product_attention(q, k, v, lens)  # no weights: the fused kernel if any
+    side = max(n_keys // 4, 2)  # blocks: their weights take their scores' memory
+    multiattn.dot_product_attention(q, k, v, causal=True, block_size=side)
+    multiattn.dot_product_attention(q, k, v, block_size=side, score_mod=lambda s, b, h, i, j: s)
     bk.call(bk.dot(), q, k, v, lens)
     bk.call(bk.additive(4, 4, 3), q, k, v, lens)
     for tensor, array in zip((q, k, v, X), arrays + [scores]):

@@ -230,6 +230,13 @@ class TorchOps(Ops):
     def exp(self, x):
         return torch.exp(x)
 
+    def exp_minus(self, x, m, owned=False):
+        # in place: no new block of scores (benchmarks/RESULTS.md); not where autograd, a
+        # compiler or a transform records x
+        if owned and not x.requires_grad and x.dtype == m.dtype and not _transformed(x):
+            return x.sub_(m).exp_()
+        return torch.exp(x - m)
+
     def log(self, x):
         return torch.log(x)
 
