@@ -56,7 +56,7 @@ def dot_product_attention(
     if masks.mask_mod is not None:
         masks = masks.with_mask_mod_evaluated(ops, queries, tuple(q_shape[:-1]) + (k_shape[-2],))
     asks = specialise.asks(ops, (*q_shape[:-1], k_shape[-2]))
-    if asks and not (need_lse or score_mod is not None or heads.groups(ops, queries, keys) > 1):
+    if asks and not (need_lse or score_mod is not None):
         args = (queries, keys, values, masks, scale, dropout, need_weights)
         done = specialise.run(ops, "dot_product_attend", *args)
         if done is not None:

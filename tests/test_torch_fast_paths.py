@@ -687,11 +687,13 @@ def test_gradients_through_spans_run_as_one_call_match_finite_differences(monkey
 # -- grouped heads past the budget: SDPA with enable_gqa ----------------------------------------
 
 
+@pytest.mark.parametrize("path", ["blocks", "whole"])
 @pytest.mark.parametrize("case", ["none", "causal", "lengths", "sliding_window"])
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["grouped", "multi-query"])
-def test_grouped_heads_past_the_budget_by_sdpa_match_the_reference(monkeypatch, num_kv_heads, case):
+def test_grouped_heads_by_sdpa_match_the_reference(monkeypatch, num_kv_heads, case, path):
     """Values and gradients (finite differences of the float64 reference) with the key and
-    value heads shared, SDPA told so (enable_gqa), never repeated."""
+    value heads shared, SDPA told so (enable_gqa), never repeated: past the budget (blocks)
+    and below it (the whole call, as SDPA takes it at sizes where its cost pays)."""
     import torch
     import torch.nn.functional as F
 
@@ -703,7 +705,10 @@ def test_grouped_heads_past_the_budget_by_sdpa_match_the_reference(monkeypatch, 
     from .test_grouped_heads import CASES, HEADS, _finite_differences, _inputs, _reference
 
     monkeypatch.setitem(CASES, "causal", dict(causal=True))
-    monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: 2)
+    if path == "blocks":
+        monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: 2)
+    else:
+        lower_thresholds(_module(), monkeypatch, FUSED_MIN_SCORES=0, VISIBLE_KEYS_MIN_SEQUENCE_SCORES=0)
     calls, real = [], F.scaled_dot_product_attention
     monkeypatch.setattr(
         F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or real(*a, **kw)

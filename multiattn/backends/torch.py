@@ -290,6 +290,8 @@ class TorchOps(Ops):
     def attend_over_visible_keys(self, queries, keys, values, masks, scale, dropout, need_weights):
         if dropout is not None or not masks.one_length_per_sequence:
             return "not one length per sequence without dropout"
+        if need_weights and _grouped(queries, keys):
+            return "grouped heads' weights: the core's grouped products"
         # one sequence's products run below the batch's rate: they pay on large sequences only
         heads = queries.shape[1] if queries.dim() == 4 else 1
         if heads * queries.shape[-2] * keys.shape[-2] < VISIBLE_KEYS_MIN_SEQUENCE_SCORES:
@@ -297,7 +299,7 @@ class TorchOps(Ops):
         if queries.dtype not in _FULL or any(map(_transformed, (queries, keys, values, masks.valid_lens))):
             return "half types (float32 math) or a vmap/grad transform (no out=)"
         lengths = fast_paths.lengths_per_sequence(
-            masks, lambda lens: _lengths_on_host(lens, queries, keys, values)
+            masks, lambda lens: _lengths_on_host(lens, queries, keys, values, recorded=not need_weights)
         )
         if isinstance(lengths, str):
             return lengths
@@ -308,7 +310,7 @@ class TorchOps(Ops):
         def attend():
             out, weights = self._attend_visible_keys(queries, keys, values, lengths, scale, need_weights)
             # else some visible scores or values are not finite: the core's formula says what then
-            return (out, weights) if math.isfinite(float(out.sum())) else None
+            return (out, weights) if math.isfinite(float(out.detach().sum())) else None
 
         return attend
 
@@ -376,7 +378,7 @@ class TorchOps(Ops):
 
     def _attend_visible_keys(self, queries, keys, values, lengths, scale, need_weights=True):
         if not need_weights:
-            return _fused_over_visible_keys(queries, keys, values, lengths, scale), None
+            return _flash_per_sequence(queries, keys, values, lengths, scale), None
         # per sequence: its scores in one reused contiguous buffer, then copied into the
         # weights; 3-D inputs as 2-D products (MKL's own threading), which held up beside a
         # busy process where bmm and a strided softmax did not (benchmarks/RESULTS.md)
@@ -451,12 +453,14 @@ _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_f
 
 
 def _parts_apply(queries, keys, values):
-    """Whether causal attention may run in blocks of queries (``_causal_in_parts``): square, on
+    """Whether causal attention may run in blocks of queries (``_causal_in_parts``): fewer
+    sequences x heads than threads (more, and SDPA's causal kernel is faster alone), square, on
     the CPU, in full precision, not differentiated (the kernel's lse has no gradient) nor
     compiled."""
     tensors = (queries, keys, values)
     return (
         _FLASH_WITH_LSE is not None
+        and math.prod(queries.shape[:-2]) < torch.get_num_threads()
         and queries.shape[-2] == keys.shape[-2] >= 2
         and all(x.is_cpu and x.dtype in _FULL for x in tensors)
         and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
@@ -504,21 +508,6 @@ def _flash_per_sequence(queries, keys, values, lengths, scale):
     return torch.cat(outs)
 
 
-def _fused_over_visible_keys(queries, keys, values, lengths, scale):
-    """SDPA per sequence on its visible keys: no mask, so its flash kernel, which reads
-    neither the padded keys nor the padded values."""
-    out = queries.new_empty(*queries.shape[:-1], values.shape[-1])
-    heads = queries.dim() == 4
-    for b, n in enumerate(lengths):
-        if n == 0:  # nothing visible: 0
-            out[b] = 0.0
-            continue
-        q, k, v = (x[b : b + 1] if heads else x[b : b + 1, None] for x in (queries, keys, values))
-        o = F.scaled_dot_product_attention(q, k[..., :n, :], v[..., :n, :], scale=scale)
-        out[b] = o[0] if heads else o[0, 0]
-    return out
-
-
 # Below this many scores per sequence the loop over the sequences' visible keys costs more
 # than its smaller products save; and it pays only where the lengths hide enough of the keys.
 VISIBLE_KEYS_MIN_SEQUENCE_SCORES = 1 << 16
@@ -549,16 +538,17 @@ def _sliceable_lengths(x: torch.Tensor, lens: torch.Tensor) -> Optional[list]:
     return _lengths_on_host(lens, x)
 
 
-def _lengths_on_host(lens: torch.Tensor, *tensors: torch.Tensor) -> Optional[list]:
+def _lengths_on_host(lens: torch.Tensor, *tensors: torch.Tensor, recorded: bool = False) -> Optional[list]:
     """lens as Python numbers where the host strategies may use them on these tensors: one
-    length per sequence, all in host memory, no autograd on them (the strategies write into
-    what they make, and softmax's backward needs its output), nothing tracing or compiling
-    (graphs must not bake the lengths in as constants); else None."""
+    length per sequence, all in host memory, no autograd on them unless ``recorded`` (the
+    strategies that write into what they make, as softmax's backward needs its output, may
+    not), nothing tracing or compiling (graphs must not bake the lengths in as constants);
+    else None."""
     if not (
         lens.dim() == 1
         and lens.is_cpu
         and all(t.is_cpu for t in tensors)
-        and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+        and (recorded or not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
     ):

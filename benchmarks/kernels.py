@@ -1,0 +1,158 @@
+"""4-D calls against the framework's own fused attention: q (1, 8, N, 64), keys and values
+(1, H_kv, N, 64), float32; causal, no mask, and lengths (each sequence's first 3N/4 keys,
+given to the kernel as a boolean mask); multiattn's ``dot_product_attention`` against torch's
+``scaled_dot_product_attention(enable_gqa=True)``, paddle's
+``nn.functional.scaled_dot_product_attention`` and mlx's ``mx.fast.scaled_dot_product_attention``.
+
+    python benchmarks/kernels.py --backend torch [--grad] [--sizes 256,1024,2048,4096]
+
+Each cell: the median of --calls timed calls of each, interleaved (multiattn, kernel, ...),
+after two warm-up calls; the ratio multiattn / kernel; and the largest difference of the two
+outputs (and of the gradients with --grad) from each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+H, D = 8, 64
+
+
+def _torch(rng, n, kv, mask, grad):
+    import torch
+    import torch.nn.functional as F
+
+    import multiattn
+
+    q, k, v = (torch.tensor(rng.normal(size=(1, h, n, D)), dtype=torch.float32) for h in (H, kv, kv))
+    lens = torch.tensor([3 * n // 4])
+    sdpa_mask = (torch.arange(n) < lens[:, None])[:, None, None, :] if mask == "lengths" else None
+    ours_kw = {"causal": mask == "causal", "valid_lens": lens if mask == "lengths" else None}
+    d_out = torch.tensor(rng.normal(size=(1, H, n, D)), dtype=torch.float32)
+
+    def call(f):
+        tensors = [x.detach().requires_grad_(grad) for x in (q, k, v)]
+        out = f(*tensors)
+        if not grad:
+            return out.detach(), ()
+        grads = torch.autograd.grad(out, tensors, d_out)
+        return out.detach(), grads
+
+    def ours(a, b, c):
+        return multiattn.dot_product_attention(a, b, c, **ours_kw)
+
+    def kernel(a, b, c):
+        return F.scaled_dot_product_attention(
+            a, b, c, attn_mask=sdpa_mask, is_causal=mask == "causal", enable_gqa=kv != H
+        )
+
+    def run(f):
+        with torch.set_grad_enabled(grad):
+            return call(f)
+
+    return (lambda: run(ours)), (lambda: run(kernel)), (lambda x: x.numpy())
+
+
+def _paddle(rng, n, kv, mask, grad):
+    import paddle
+    import paddle.nn.functional as F
+
+    import multiattn
+
+    def tensor(shape):
+        return paddle.to_tensor(rng.normal(size=shape).astype("float32"))
+
+    q, k, v = tensor((1, H, n, D)), tensor((1, kv, n, D)), tensor((1, kv, n, D))
+    lens = paddle.to_tensor([3 * n // 4])
+    ours_kw = {"causal": mask == "causal", "valid_lens": lens if mask == "lengths" else None}
+    # paddle's layout is (batch, seq, heads, dim); its kernel takes no grouped heads: repeated
+    g = H // kv
+    qt, kt, vt = (paddle.transpose(x, [0, 2, 1, 3]) for x in (q, k, v))
+    kt, vt = (paddle.repeat_interleave(x, g, axis=2) for x in (kt, vt))
+    kmask = None
+    if mask == "lengths":
+        kmask = (paddle.arange(n) < lens[:, None])[:, None, None, :]
+
+    def ours():
+        return multiattn.dot_product_attention(q, k, v, **ours_kw), ()
+
+    def kernel():
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=kmask, is_causal=mask == "causal")
+        return paddle.transpose(out, [0, 2, 1, 3]), ()
+
+    return ours, kernel, (lambda x: x.numpy())
+
+
+def _mlx(rng, n, kv, mask, grad):
+    import mlx.core as mx
+
+    import multiattn
+
+    q, k, v = (mx.array(rng.normal(size=(1, h, n, D)).astype("float32")) for h in (H, kv, kv))
+    lens = mx.array([3 * n // 4])
+    ours_kw = {"causal": mask == "causal", "valid_lens": lens if mask == "lengths" else None}
+    kmask = {"causal": "causal", "none": None}.get(mask)
+    if mask == "lengths":
+        kmask = (mx.arange(n) < lens[:, None])[:, None, None, :]
+
+    def ours():
+        out = multiattn.dot_product_attention(q, k, v, **ours_kw)
+        mx.eval(out)
+        return out, ()
+
+    def kernel():
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=D**-0.5, mask=kmask)
+        mx.eval(out)
+        return out, ()
+
+    return ours, kernel, np.asarray
+
+
+SETUPS = {"torch": _torch, "paddle": _paddle, "mlx": _mlx}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--backend", choices=sorted(SETUPS), default="torch")
+    parser.add_argument("--sizes", default="256,1024,2048,4096")
+    parser.add_argument("--kv-heads", default="8,2")
+    parser.add_argument("--masks", default="causal,none,lengths")
+    parser.add_argument("--calls", type=int, default=7)
+    parser.add_argument("--grad", action="store_true", help="forward and backward (torch)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    print(f"{args.backend}{' forward+backward' if args.grad else ''}: N, H_kv, mask, multiattn / kernel ms")
+    for n in map(int, args.sizes.split(",")):
+        for kv in map(int, args.kv_heads.split(",")):
+            for mask in args.masks.split(","):
+                ours, kernel, host = SETUPS[args.backend](rng, n, kv, mask, args.grad)
+                times = {ours: [], kernel: []}
+                results = {}
+                for f in (ours, kernel, ours, kernel):  # warm-up
+                    results[f] = f()
+                for _ in range(args.calls):
+                    for f in (ours, kernel):
+                        start = time.perf_counter()
+                        f()
+                        times[f].append(time.perf_counter() - start)
+                a, b = (statistics.median(times[f]) * 1e3 for f in (ours, kernel))
+                diff = max(
+                    float(np.max(np.abs(host(x) - host(y))))
+                    for x, y in zip(
+                        (results[ours][0], *results[ours][1]), (results[kernel][0], *results[kernel][1])
+                    )
+                )
+                print(
+                    f"{n:5d} {kv} {mask:8s} {a:9.2f} / {b:9.2f} ms = {a / b:5.2f}x  (outputs differ by {diff:.1e})",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
