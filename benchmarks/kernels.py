@@ -149,7 +149,8 @@ def main() -> None:
                     )
                 )
                 print(
-                    f"{n:5d} {kv} {mask:8s} {a:9.2f} / {b:9.2f} ms = {a / b:5.2f}x  (outputs differ by {diff:.1e})",
+                    f"{n:5d} {kv} {mask:8s} {a:9.2f} / {b:9.2f} ms = {a / b:5.2f}x",
+                    f" (outputs differ by {diff:.1e})",
                     flush=True,
                 )
 
