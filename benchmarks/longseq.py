@@ -12,7 +12,7 @@ default 4096, 16384, 65536) five cases: ``plain``; ``causal`` (causal=True); ``l
 
 * ``blocks``: ``dot_product_attention(q, k, v, lens, causal=..., block_size=BLOCK)``, the core's
   blocks forced on every backend, BLOCK the automatic choice
-  (``blockwise.block_size_for`` x ``tuning.Tuning.compiled_block_scale``);
+  (``blockwise.block_size_for`` of ``tuning.Tuning.block_area``);
 * ``default``: the same call with block_size=None, measured where it takes another path:
   the scores whole where they fit the budget (N^2 * 4 B <= ``SCORES_BUDGET_BYTES``), on
   torch past it SDPA's flash kernel (the specialisation ``attend_by_flash_kernel``), and for the
@@ -67,11 +67,11 @@ FLOOR_COPIES = 3  # the floor holds about three (N, N) float32 arrays at once: s
 
 def block_size(module=None) -> int:
     """The block the automatic choice takes for one (1, N, d) float32 call on the backend
-    ``module`` (its compiled steps take larger ones: ``tuning.Tuning.compiled_block_scale``)."""
+    ``module`` (some take larger ones: ``tuning.Tuning.block_area``)."""
     from multiattn import blockwise, tuning
 
-    scale = 1 if module is None else tuning.of(module.ops).compiled_block_scale
-    return blockwise.block_size_for(1, 4) * scale
+    area = 1 if module is None else tuning.of(module.ops).block_area
+    return blockwise.block_size_for(1, 4, area=area)
 
 
 def scores_fit_budget(n: int) -> bool:
@@ -504,8 +504,7 @@ def header(args, machine: str, threads: str, results: dict, allocator: str) -> s
         "plain (the output and the gradients of q, k, v).",
         "- `blocks`: dot_product_attention(..., block_size=BLOCK), the core's online softmax forced "
         "(the automatic",
-        f"  choice's block, from the L2 per core: {block}, times `compiled_block_scale` where the steps "
-        "are compiled).",
+        f"  choice's block, from the L2 per core: {block}, filling the backend's `block_area` L2 caches).",
         "  `default call`: the same with block_size=None, where it takes another",
         f"  path: the scores whole where N²·4 B <= {blockwise.SCORES_BUDGET_BYTES >> 20} MiB, and on torch "
         "past that SDPA's flash kernel",

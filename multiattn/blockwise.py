@@ -43,13 +43,15 @@ MIN_BLOCK, MAX_BLOCK = 128, 1024
 L2_CACHE_BYTES = _machine.l2_cache_bytes()
 
 
-def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = None) -> int:
+def block_size_for(batch_rows: int, itemsize: int, cache_bytes: Optional[int] = None, area: int = 1) -> int:
     """The side of a square block whose scores, for all batch_rows (batch x heads) at once,
-    fit one core's L2 cache: a power of two in [MIN_BLOCK, MAX_BLOCK]."""
-    cache = L2_CACHE_BYTES if cache_bytes is None else cache_bytes
+    fill ``area`` times one core's L2 cache: a power of two in [MIN_BLOCK, MAX_BLOCK] times
+    the side that area adds."""
+    cache = (L2_CACHE_BYTES if cache_bytes is None else cache_bytes) * area
     side = math.isqrt(max(cache // (max(itemsize, 4) * max(batch_rows, 1)), 1))
     side = 1 << max(side.bit_length() - 1, 0)
-    return min(max(side, MIN_BLOCK), MAX_BLOCK)
+    reach = math.isqrt(area)
+    return min(max(side, MIN_BLOCK * reach), MAX_BLOCK * reach)
 
 
 def automatic_block_size(
@@ -71,8 +73,8 @@ def automatic_block_size(
         and kept_fraction(ops, masks, shape[-2], shape[-1]) <= KEPT_FOR_BLOCKS
     ):
         return None
-    side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize)
-    side = side if per_score > 1 else side * tuning.of(ops).compiled_block_scale
+    area = 1 if per_score > 1 else tuning.of(ops).block_area
+    side = block_size_for(math.prod(shape[:-2]) * per_score, itemsize, area=area)
     favoured = None if mask_mod is None else mask_mod.block_side(ops)
     return side if favoured is None else min(side, max(favoured, MIN_BLOCK))
 

@@ -13,9 +13,10 @@ from ._machine import l2_cache_bytes
 
 @dataclasses.dataclass
 class Tuning:
-    # where the block steps are compiled (``Ops.compiled``), the compiler fuses a block's passes:
-    # its side may be this many times the one whose scores fit L2 (``blockwise.block_size_for``)
-    compiled_block_scale: int = 1
+    # a block's scores fill this many L2 caches (``blockwise.block_size_for``): where a compiler
+    # fuses a block's passes and each compiled call has a fixed cost, or, paddle, a block of
+    # 128 x 128 for each of 8 heads ran 1.2x slower than of 256 (benchmarks/RESULTS.md)
+    block_area: int = 1
     # each block step has a high fixed cost (a compiled call's dispatch, a namespace's per-call
     # checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
     costly_steps: bool = False
@@ -41,12 +42,12 @@ TUNING: Dict[str, Tuning] = {
     # fewer, larger fused blocks; each step a compiled call's dispatch; a few blocks per
     # dispatch, scheduled by XLA; larger additive blocks (each eager op's high fixed cost)
     "tensorflow": Tuning(
-        compiled_block_scale=4, costly_steps=True, compiled_rows=True, feature_block_elements=1 << 22
+        block_area=16, costly_steps=True, compiled_rows=True, feature_block_elements=1 << 22
     ),
     # fewer, larger fused blocks; a jitted call's dispatch; XLA fuses the additive reduction
     # best over the hiddens
-    "jax": Tuning(compiled_block_scale=2, costly_steps=True, hiddens_innermost=True),
-    "paddle": Tuning(),
+    "jax": Tuning(block_area=4, costly_steps=True, hiddens_innermost=True),
+    "paddle": Tuning(block_area=2),
     "mlx": Tuning(),
     # each op finds its namespace (array-api-compat), strict mode checks it
     "array_api": Tuning(costly_steps=True),

@@ -288,8 +288,12 @@ def test_the_automatic_block_size_follows_the_budget_and_the_cache(monkeypatch):
     # additive attention's blocks hold its features: hiddens per score
     assert blockwise.automatic_block_size(backend.ops, large, large, per_score=64) == blockwise.MIN_BLOCK
     side = blockwise.automatic_block_size(backend.ops, large, large)
-    monkeypatch.setattr(tuning.of(backend.ops), "compiled_block_scale", 2)  # compiled steps: larger blocks
+    monkeypatch.setattr(tuning.of(backend.ops), "block_area", 4)  # compiled steps: larger blocks
     assert blockwise.automatic_block_size(backend.ops, large, large) == 2 * side
+    monkeypatch.setattr(tuning.of(backend.ops), "block_area", 2)  # twice the bytes: a power of two
+    assert blockwise.automatic_block_size(backend.ops, large, large) in (side, 2 * side)
+    assert blockwise.block_size_for(8, 4, cache_bytes=1 << 20, area=2) == 256  # 2 MiB of scores
+    assert blockwise.block_size_for(1, 4, cache_bytes=1 << 30, area=16) == 4 * blockwise.MAX_BLOCK
 
 
 def test_masks_that_hide_most_scores_take_the_blocks_from_half_the_budget(monkeypatch):

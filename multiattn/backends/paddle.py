@@ -12,6 +12,7 @@ Two facts of paddle shape this adapter:
 from __future__ import annotations
 
 import functools
+import math
 import sys
 from typing import Any, Optional
 
@@ -35,7 +36,8 @@ with framework_imports("paddle"):  # not installed: an error naming the install
 from .. import fast_paths, mods  # noqa: E402
 from ..adapter import Ops  # noqa: E402
 from ..functional import bind  # noqa: E402
-from ..protocol import dtype_kind_by_dtype, per_row  # noqa: E402
+from ..masks import visibility, visible_values  # noqa: E402
+from ..protocol import dtype_kind_by_dtype, per_row, softmax_hiding_minus_inf  # noqa: E402
 
 _CAUSAL: dict = {}  # (queries, keys, place) -> the causal mask
 SUPPORTED_DTYPES = ("float32", "float64")  # on the CPU; float16/bfloat16 need a GPU
@@ -133,6 +135,16 @@ class PaddleOps(Ops):
         if x.dtype in _HALF:
             return nn.functional.softmax(x, axis=-1, dtype="float32").astype(x.dtype)
         return nn.functional.softmax(x, axis=-1)
+
+    def safe_softmax(self, x):
+        return self._safe_softmax(x, self.softmax)
+
+    def _safe_softmax(self, x, softmax):
+        # paddle's element-wise passes run at a quarter of its reductions' rate (RESULTS.md):
+        # where no score is -inf (read eagerly), a plain softmax is the row rule's already
+        if _no_minus_inf(x):
+            return softmax(x)
+        return softmax_hiding_minus_inf(self, x, self.where, softmax)
 
     def _softmax_owned(self, x):
         # the weights take the scores' memory (softmax_); not where autograd needs x, in a
@@ -241,9 +253,21 @@ class PaddleOps(Ops):
         )
 
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
+        if owned and _no_minus_inf(scores):  # hidden scores the lowest, their weights 0 after
+            return functools.partial(self._masked_softmax_of_finite, scores, values, masks)
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, where=self.where, softmax=self._softmax_owned
-        )
+            self, scores, values, masks, owned, where=self.where,
+            safe_softmax=functools.partial(self._safe_softmax, softmax=self._softmax_owned),
+        )  # fmt: skip
+
+    def _masked_softmax_of_finite(self, scores, values, masks):
+        # two passes fewer than the formula's: no score is -inf, so only the mask hides any
+        mask = visibility(self, masks, scores)
+        if mask is None:
+            return self._softmax_owned(scores), values
+        weights = self._softmax_owned(self.where(mask, scores, self.lowest(scores)))
+        values = values if values is None else visible_values(self, values, mask)
+        return self.where(mask, weights, 0.0), values
 
     def additive_scores_over_visible_keys(self, q_hidden, k_hidden, w_v, masks):
         return fast_paths.offer_additive_over_visible_keys(
@@ -291,6 +315,11 @@ def _cpu_lengths(x, lens) -> Optional[list]:
     ):
         return None
     return lens.tolist()
+
+
+def _no_minus_inf(x) -> bool:
+    """Whether no element of x is -inf (or NaN), read eagerly; False in a static graph."""
+    return paddle.in_dynamic_mode() and bool(paddle.min(x) > -math.inf)
 
 
 def _untracked(x) -> bool:
