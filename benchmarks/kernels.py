@@ -7,8 +7,9 @@ given to the kernel as a boolean mask); multiattn's ``dot_product_attention`` ag
     python benchmarks/kernels.py --backend torch [--grad] [--sizes 256,1024,2048,4096]
 
 Each cell: the median of --calls timed calls of each, interleaved (multiattn, kernel, ...),
-after two warm-up calls; the ratio multiattn / kernel; and the largest difference of the two
-outputs (and of the gradients with --grad) from each other.
+after two warm-up calls; the ratio multiattn / kernel; the largest difference of the two
+outputs (and of the gradients with --grad) from each other, and of multiattn's output from a
+float64 reference (numpy, the formula) up to --reference-to.
 """
 
 from __future__ import annotations
@@ -115,6 +116,23 @@ def _mlx(rng, n, kv, mask, grad):
 SETUPS = {"torch": _torch, "paddle": _paddle, "mlx": _mlx}
 
 
+def reference(n, kv, mask, seed=0):
+    """The float64 output from the formula, numpy alone, for the inputs the setups draw first
+    (the same generator state): query head h reads key head h // (H / kv)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.normal(size=(1, h, n, D)) for h in (H, kv, kv))
+    k, v = (np.repeat(x, H // kv, axis=1) for x in (k, v))
+    scores = q @ np.swapaxes(k, -1, -2) / np.sqrt(D)
+    visible = np.ones((n, n), bool)
+    if mask == "causal":
+        visible = np.tril(visible)
+    elif mask == "lengths":
+        visible[:, 3 * n // 4 :] = False
+    scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    return (weights / weights.sum(-1, keepdims=True)) @ v
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,13 +143,13 @@ def main() -> None:
     parser.add_argument("--masks", default="causal,none,lengths")
     parser.add_argument("--calls", type=int, default=7)
     parser.add_argument("--grad", action="store_true", help="forward and backward (torch)")
+    parser.add_argument("--reference-to", type=int, default=2048, help="the float64 reference up to this N")
     args = parser.parse_args()
-    rng = np.random.default_rng(0)
     print(f"{args.backend}{' forward+backward' if args.grad else ''}: N, H_kv, mask, multiattn / kernel ms")
     for n in map(int, args.sizes.split(",")):
         for kv in map(int, args.kv_heads.split(",")):
             for mask in args.masks.split(","):
-                ours, kernel, host = SETUPS[args.backend](rng, n, kv, mask, args.grad)
+                ours, kernel, host = SETUPS[args.backend](np.random.default_rng(0), n, kv, mask, args.grad)
                 times = {ours: [], kernel: []}
                 results = {}
                 for f in (ours, kernel, ours, kernel):  # warm-up
@@ -148,9 +166,13 @@ def main() -> None:
                         (results[ours][0], *results[ours][1]), (results[kernel][0], *results[kernel][1])
                     )
                 )
+                error = ""
+                if n <= args.reference_to:
+                    far = np.max(np.abs(host(results[ours][0]) - reference(n, kv, mask)))
+                    error = f", multiattn from the float64 reference {far:.1e}"
                 print(
                     f"{n:5d} {kv} {mask:8s} {a:9.2f} / {b:9.2f} ms = {a / b:5.2f}x",
-                    f" (outputs differ by {diff:.1e})",
+                    f" (outputs differ by {diff:.1e}{error})",
                     flush=True,
                 )
 
