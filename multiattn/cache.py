@@ -21,7 +21,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from . import mods, state, validation
 from ._registry import framework_of, get_backend
-from .masks import Masks
+from .masks import Masks, block_visibility
 from .validation import dtype_name
 
 Tensor = Any
@@ -402,22 +402,17 @@ class Call:
         return ops.reshape(scores, (splits, self.batch, kv_heads, self.groups, self.n, size))
 
     def _visible(self, at: int, splits: int, size: int, like: Tensor) -> Optional[Tensor]:
-        """Which keys of the block each row sees (6-D, broadcastable), None where it sees all."""
-        ops, found = self.ops, []
-        keys = ops.reshape(ops.positions(0, splits * size, like) + at, (splits, 1, 1, 1, 1, size))
-        if not isinstance(self.length, int) or at + splits * size > self.length:
-            found.append(keys < self.length)  # the storage past the positions held
-        if self.masks.causal and self.n > 1:  # a single row sees every key held
-            rows = ops.positions(0, self.n, like) + self.old
-            found.append(keys <= ops.reshape(rows, (1, 1, 1, 1, self.n, 1)))
-        if self.masks.mask_mod is not None:
-            block = self._block(at, splits * size)
-            mask = self.masks.mask_mod.values(ops, like, self.heads, block, self.batch)
-            found.append(self._in_splits(mask, splits, size))
-        visible = found[0] if found else None
-        for more in found[1:]:
-            visible = ops.logical_and(visible, more)
-        return visible
+        """Which keys of the block each row sees (6-D, broadcastable), None where it sees all:
+        the storage past the positions held, causality (a single row sees every key held), the
+        mask function, as any block's (``masks.block_visibility``)."""
+        keys = splits * size
+        past = not isinstance(self.length, int) or at + keys > self.length
+        visible = block_visibility(
+            self.ops, like, self.old, at, self.n, keys, rank=4, causal=self.masks.causal and self.n > 1,
+            mask_mod=self.masks.mask_mod, heads=self.heads, batch=self.batch,
+            limits=(None, self.length if past else None),
+        )  # fmt: skip
+        return None if visible is None else self._in_splits(visible, splits, size)
 
     def _block(self, at: int, keys: int) -> Any:
         if isinstance(self.old, int):
@@ -428,6 +423,8 @@ class Call:
         """x (b, h, n, keys) (b, h, n or keys: those or 1) as (splits, b, kv_heads or 1, G or 1, n, S)."""
         ops = self.ops
         b, h, n, keys = ops.shape(x)
+        if b == h == n == 1:  # the keys alone (a decoding step's storage): split in place
+            return ops.reshape(x, (keys // size if keys > 1 else 1, 1, 1, 1, 1, size if keys > 1 else 1))
         if keys == 1:
             x = ops.expand_dims(x, 0)
         else:  # the keys' splits to the front: (splits, b, h, n, S)

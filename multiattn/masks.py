@@ -119,9 +119,10 @@ def block_visibility(
     found, at_ints = [], isinstance(q0, int) and isinstance(k0, int)
     diagonal = causal and at_ints and q0 == k0  # key k0 + j, query q0 + i: j <= i
     key_pos = query_pos = None
-    if (causal and not diagonal) or limits != (None, None):
-        key_pos = ops.positions(0, n_keys, like) + k0
-        query_pos = ops.expand_dims(ops.positions(0, n_queries, like) + q0, -1)
+    if (causal and not diagonal) or limits[1] is not None:
+        key_pos = _positions(ops, k0, n_keys, like)
+    if (causal and not diagonal) or limits[0] is not None:
+        query_pos = ops.expand_dims(_positions(ops, q0, n_queries, like), -1)
     if limits[1] is not None:
         found.append(key_pos < limits[1])
     if limits[0] is not None:  # a padded query's score with a key of -inf is NaN: hidden
@@ -150,6 +151,13 @@ def block_visibility(
     return all_of(ops, found, rank)
 
 
+def _positions(ops: Ops, start: Any, size: Any, like: Tensor) -> Tensor:
+    """start .. start + size - 1: one op where start is an int."""
+    if isinstance(start, int) and isinstance(size, int):
+        return ops.positions(start, start + size, like)
+    return ops.positions(0, size, like) + start
+
+
 def _rows(ops: Ops, x: Tensor, start: Any, size: Any, axis: int) -> Tensor:
     """x's size entries from start along axis: a slice where start is an int (x itself where
     that is all of them)."""
@@ -172,6 +180,9 @@ def all_of(ops: Ops, masks: list, rank: int) -> Optional[Tensor]:
         mask_rank = len(ops.shape(mask))
         if mask_rank == 3 and rank == 4:
             mask, mask_rank = ops.expand_dims(mask, 1), 4
+        shape = tuple(ops.shape(mask))
+        if mask_rank < rank and None not in shape:  # one reshape, not an op per axis
+            mask, mask_rank = ops.reshape(mask, (1,) * (rank - mask_rank) + shape), rank
         while mask_rank < rank:
             mask, mask_rank = ops.expand_dims(mask, 0), mask_rank + 1
         combined = mask if combined is None else ops.logical_and(combined, mask)

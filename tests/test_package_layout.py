@@ -334,8 +334,9 @@ def test_the_partial_state_and_its_merge_are_written_once():
 def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
     """Both block loops are differentiated through one wrapper (``blockwise.differentiated``,
     the package's one call of ``ops.custom_gradient``), and the masks of a block, of the whole
-    scores and of a compiled loop's padded block are made by ``masks.block_visibility`` alone
-    (no other module builds a mask from lengths)."""
+    scores, of a compiled loop's padded block and of a cache's splits are made by
+    ``masks.block_visibility`` alone (no other module builds a mask from lengths, and the cache
+    makes no positions of its own)."""
     calls = defaultdict(list)
     for name, path in _modules().items():
         if f"{NAME}.backends." in name:
@@ -343,7 +344,11 @@ def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
         source = path.read_text()
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-                if node.func.attr in ("custom_gradient", "length_mask"):
+                if node.func.attr in ("custom_gradient", "length_mask", "positions"):
                     calls[node.func.attr].append(name)
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                if node.func.id == "block_visibility":
+                    calls["block_visibility"].append(name)
     assert calls["custom_gradient"] == [f"{NAME}.blockwise"], dict(calls)
     assert set(calls["length_mask"]) == {f"{NAME}.masks"}, dict(calls)
+    assert f"{NAME}.cache" in calls["block_visibility"] and f"{NAME}.cache" not in calls["positions"]
