@@ -14,8 +14,8 @@ from ._machine import l2_cache_bytes
 @dataclasses.dataclass
 class Tuning:
     # a block's scores fill this many L2 caches (``blockwise.block_size_for``): where a compiler
-    # fuses a block's passes and each compiled call has a fixed cost, or, paddle, a block of
-    # 128 x 128 for each of 8 heads ran 1.2x slower than of 256 (benchmarks/RESULTS.md)
+    # fuses a block's passes and each compiled call has a fixed cost, or where larger blocks
+    # measured faster (paddle: benchmarks/RESULTS.md)
     block_area: int = 1
     # each block step has a high fixed cost (a compiled call's dispatch, a namespace's per-call
     # checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
