@@ -318,7 +318,7 @@ def _cpu_lengths(x, lens) -> Optional[list]:
 
 
 def _no_minus_inf(x) -> bool:
-    """Whether no element of x is -inf (or NaN), read eagerly; False in a static graph."""
+    """Whether no element of x is -inf, read eagerly (one reduction); False in a static graph."""
     return paddle.in_dynamic_mode() and bool(paddle.min(x) > -math.inf)
 
 
