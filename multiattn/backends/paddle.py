@@ -255,10 +255,10 @@ class PaddleOps(Ops):
     def masked_softmax_in_scores_memory(self, scores, values, masks, owned):
         if owned and _no_minus_inf(scores):  # hidden scores the lowest, their weights 0 after
             return functools.partial(self._masked_softmax_of_finite, scores, values, masks)
+        # some score is -inf (or the caller's): the formula, without reading them again
         return fast_paths.offer_in_scores_memory(
-            self, scores, values, masks, owned, where=self.where,
-            safe_softmax=functools.partial(self._safe_softmax, softmax=self._softmax_owned),
-        )  # fmt: skip
+            self, scores, values, masks, owned, where=self.where, softmax=self._softmax_owned
+        )
 
     def _masked_softmax_of_finite(self, scores, values, masks):
         # two passes fewer than the formula's: no score is -inf, so only the mask hides any
