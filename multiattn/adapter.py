@@ -4,9 +4,9 @@ with the check that an adapter is complete and declares nothing the two halves d
 
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional, Tuple
 
-from . import _registry
+from . import _registry, state
 from .protocol import REQUIRED, Primitives, Tensor
 from .specialisations import Specialisations
 
@@ -16,6 +16,11 @@ class Ops(Primitives, Specialisations):
 
     def check_tensors(self, **tensors: Tensor) -> None:
         _registry.check_framework(self.name, **tensors)
+
+    def softmax_with_lse(self, x: Tensor, column: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+        """``protocol``'s optional softmax_with_lse from the required ops: the state's lse."""
+        lse = state.log_sum_exp(self, x)
+        return self.exp(x - lse), lse
 
 
 def adapter_problems(cls: type) -> List[str]:

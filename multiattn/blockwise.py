@@ -397,7 +397,7 @@ class _How:
         self.compile_steps = compile_ and not self.compile_rows
         # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
         self.finite_values = plan.masks.none or known_finite(ops, values)
-        self.fused = score is None and ops.softmax_with_lse is not None and bounded_scores(ops, queries, keys)
+        self.fused = score is None and tuning.of(ops).fused_softmax and bounded_scores(ops, queries, keys)
         self.merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
         self.jitted_steps = self.compile_steps and not self.merge  # each step a program of the compiler's
 

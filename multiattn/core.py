@@ -131,7 +131,7 @@ def multi_head_attention(
 
 def dot_product_scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) -> Tensor:
     """a(q, k) = q^T k * scale: (B, [H,] Q, K); keys may have fewer heads (``heads``)."""
-    return heads.scaled_matmul_t(ops, queries, keys, scale)
+    return state.scores(ops, queries, keys, scale)
 
 
 def additive_scores(ops: Ops, q_hidden: Tensor, k_hidden: Tensor, w_v: Tensor, masks: Masks = NO_MASKS):

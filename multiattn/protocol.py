@@ -303,19 +303,22 @@ class Primitives:
         backward: Callable[..., Tuple[Tensor, ...]],
         tensors: Tuple[Tensor, ...],
         constants: Tuple[Tensor, ...] = (),
+        tangent: Optional[Callable[..., Tuple[Tensor, ...]]] = None,
     ) -> Tuple[Tensor, ...]:
         """forward(*tensors, *constants) -> outputs, differentiated (with respect to tensors
         only) by backward(tensors, constants, outputs, cotangents) -> one gradient per tensor,
         through the framework's own custom-gradient mechanism; cotangents: one per output,
-        None where it is not used.  The default runs forward as it is (no autodiff, or the
-        framework's own differentiation of it)."""
+        None where it is not used.  tangent(tensors, constants, tangents) -> one tangent per
+        output, linear in tangents: the forward-mode rule, where the framework takes one (jax
+        transposes it for the reverse mode too, so its forward and second-order modes stay).
+        The default runs forward as it is (no autodiff, or the framework's own differentiation)."""
         return forward(*tensors, *constants)
 
     # softmax_with_lse(x, column=None) -> (softmax(x), log sum exp(x)) along the last axis,
-    # keepdims, where the framework's fused softmax is faster than its max, exp and sum; x is
-    # finite (hidden scores: blockwise.HIDDEN), column (x's shape less its last axis, ints) a
-    # column each row sees (None: column 0); blockwise takes it where the scores are bounded
-    softmax_with_lse: Optional[Callable[..., Tuple[Tensor, Tensor]]] = None
+    # keepdims; x finite (hidden scores: blockwise.HIDDEN), column (x's shape less its last
+    # axis, ints) a column each row sees (None: column 0), for a framework whose fused softmax
+    # gives the lse from it.  blockwise takes it where the scores are bounded and the backend's
+    # tuning says it pays (``fused_softmax``).  Its default (``adapter.Ops``): the state's lse.
 
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the

@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Optional
 
-from . import block_loop, blockwise, heads, mods, specialise
+from . import block_loop, blockwise, mods, specialise, state
 from .masks import Masks
 
 Tensor = Any
@@ -73,5 +73,5 @@ def additive_in_blocks(
 
 def _modified_scores(ops: Ops, score_mod: Callable[..., Tensor], scale: float, q, k, block) -> Tensor:
     """A block's scaled dot-product scores, then score_mod on them."""
-    scores = heads.scaled_matmul_t(ops, q, k, scale)
+    scores = state.scores(ops, q, k, scale)
     return mods.apply_score_mod(ops, score_mod, scores, block, ops.shape(q)[0])

@@ -36,8 +36,7 @@ Decision = Tuple[str, str, str, str]  # (backend, step, specialisation, "ran" or
 
 def run(ops: Any, step: str, *inputs: Any) -> Any:
     """The result of the first specialisation of ``step`` that takes these inputs, or None
-    where every one declines (the core then runs its formula).  An offered function may
-    itself return None where it finds, once run, that it cannot give the step's answer."""
+    where every one declines (the core then runs its formula)."""
     log = _state["log"]
     if not _state["on"]:
         if log is not None:
@@ -49,11 +48,9 @@ def run(ops: Any, step: str, *inputs: Any) -> Any:
             if log is not None:
                 log.append((ops.name, step, name, offer))
             continue
-        result = offer()
         if log is not None:
-            log.append((ops.name, step, name, "ran" if result is not None else "declined after running"))
-        if result is not None:
-            return result
+            log.append((ops.name, step, name, "ran"))
+        return offer()
     return None
 
 

@@ -122,6 +122,27 @@ def weights(ops: Ops, scores: Tensor, lse: Tensor, seen: Optional[Tensor] = None
     return p if seen is None else ops.where(seen, p, 0.0)
 
 
+def scores(ops: Ops, queries: Tensor, keys: Tensor, scale: float) -> Tensor:
+    """scale Q K^T (heads grouped), differentiated with Q's and K's finite factors: a score made
+    -inf by a key of -inf is hidden, its dS 0, and dS K must give 0 there (the row rule's
+    gradients), where the framework's own product would give 0 * -inf = NaN."""
+    def product(q: Tensor, k: Tensor) -> Tuple[Tensor]:
+        return (heads.scaled_matmul_t(ops, q, k, scale),)
+
+    def backward(tensors: tuple, _: tuple, outputs: tuple, cotangents: tuple) -> Tuple[Tensor, Tensor]:
+        (q, k), d_s = tensors, cotangents[0]
+        kv_heads = ops.shape(k)[1] if len(ops.shape(k)) == 4 else None
+        dq = heads.matmul(ops, d_s, finite_factor(ops, k))
+        return dq * scale, heads.summed_tn(ops, d_s, finite_factor(ops, q), kv_heads) * scale
+
+    def tangent(tensors: tuple, _: tuple, tangents: tuple) -> Tuple[Tensor]:
+        (q, k), (dq, dk) = tensors, tangents
+        found = heads.scaled_matmul_t(ops, dq, finite_factor(ops, k), scale)
+        return (found + heads.scaled_matmul_t(ops, finite_factor(ops, q), dk, scale),)
+
+    return ops.custom_gradient(product, backward, (queries, keys), tangent=tangent)[0]
+
+
 def finite_factor(ops: Ops, x: Tensor) -> Tensor:
     """x with its infinite and NaN entries 0, as a factor of the backward's dS K and dS^T Q: a
     score made -inf by a key (or query) of -inf is hidden, its dS 0, and 0 * inf must give 0."""

@@ -31,6 +31,9 @@ class Tuning:
     # additive features laid out as d2l does, (B, Q, K, h), instead of keys innermost
     # (B, Q, h, K): for a compiler that fuses the w_v reduction best over the innermost axis
     hiddens_innermost: bool = False
+    # a full block's weights and lse by ``Ops.softmax_with_lse`` (the framework's fused softmax)
+    # rather than by the max, exp and sum of ``state.block_sums``
+    fused_softmax: bool = False
 
 
 TUNING: Dict[str, Tuning] = {
@@ -51,7 +54,8 @@ TUNING: Dict[str, Tuning] = {
     "mlx": Tuning(),
     # each op finds its namespace (array-api-compat), strict mode checks it
     "array_api": Tuning(costly_steps=True),
-    "mxnet": Tuning(),
+    # its fused softmax is faster than its max, exp and sum (long sequences)
+    "mxnet": Tuning(fused_softmax=True),
 }
 
 

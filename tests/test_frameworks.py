@@ -32,6 +32,29 @@ def python(code: str, **env: str) -> subprocess.CompletedProcess:
     )
 
 
+# --- forward mode and second order (shared by the jax and torch tests) -------------------
+
+
+def _keys_holding_minus_inf():
+    """Positive queries, a key holding -inf (so hidden by its own scores), a direction (0 at the
+    -inf entry) and a cotangent; and from the reference, with that key masked instead: the
+    directional derivative of the output and the second one of sum(output * cotangent)."""
+    rng = np.random.default_rng(5)
+    q, k = np.abs(Q) + 0.1, K.copy()
+    k[0, 1, 0] = -np.inf
+    t_q, t_k, g = rng.normal(size=Q.shape), rng.normal(size=K.shape), rng.normal(size=(2, 3, 2))
+    t_k[0, 1, 0] = 0.0
+    visible = np.ones((2, 3, 6), bool)
+    visible[0, :, 1] = False
+
+    def out(step: float) -> np.ndarray:
+        return ref.dot_product_attention(q + step * t_q, K + step * t_k, V, attention_mask=visible)[0]
+
+    tangent = (out(1e-6) - out(-1e-6)) / 2e-6
+    second = sum(np.sum(out(sign * 1e-4) * g) for sign in (1, -1)) - 2 * np.sum(out(0.0) * g)
+    return (q, k, t_q, t_k, g), tangent, second / 1e-8
+
+
 # --- numpy -------------------------------------------------------------------------------
 
 
@@ -71,6 +94,37 @@ def test_torch_modules_train_eval_and_autograd():
     assert not torch.allclose(train_out, layer(q, k, v, lens))
     layer(q, k, v, lens).sum().backward()
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters())
+
+
+@pytest.mark.backend("torch")
+def test_torch_forward_mode_and_second_order_with_keys_holding_minus_inf():
+    """torch.func.jvp, a Hessian-vector product by torch.func, and double backward (create_graph,
+    as a gradient penalty uses) through a key holding -inf: finite, the reference's."""
+    import torch
+
+    (q, k, t_q, t_k, g), want_tangent, want_second = _keys_holding_minus_inf()
+    q, k, t_q, t_k, g, v = (torch.tensor(x) for x in (q, k, t_q, t_k, g, V))
+
+    def attend(q, k):
+        return multiattn.dot_product_attention(q, k, v)
+
+    def loss(q, k):
+        return torch.sum(attend(q, k) * g)
+
+    tangent = torch.func.jvp(attend, (q, k), (t_q, t_k))[1]
+    np.testing.assert_allclose(tangent.numpy(), want_tangent, rtol=1e-6, atol=1e-8)
+    d_grads = torch.func.jvp(torch.func.grad(loss, argnums=(0, 1)), (q, k), (t_q, t_k))[1]
+    np.testing.assert_allclose(
+        float(sum((d * t).sum() for d, t in zip(d_grads, (t_q, t_k)))), want_second, rtol=1e-5
+    )
+    q, k = q.requires_grad_(), k.requires_grad_()
+    grads = torch.autograd.grad(loss(q, k), (q, k), create_graph=True)
+    along = sum((d * t).sum() for d, t in zip(grads, (t_q, t_k)))
+    twice = torch.autograd.grad(along, (q, k))
+    assert all(bool(torch.isfinite(d).all()) for d in twice)
+    np.testing.assert_allclose(
+        float(sum((d * t).sum() for d, t in zip(twice, (t_q, t_k)))), want_second, rtol=1e-5
+    )
 
 
 @pytest.mark.backend("torch")
@@ -228,6 +282,31 @@ def test_jax_jit_grad_vmap():
     stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]
     batched = jax.vmap(lambda q, k, v: multiattn.dot_product_attention(q, k, v, lens))(*stacked)
     np.testing.assert_allclose(np.asarray(batched[0]), WANT_DOT, rtol=1e-10)
+
+
+@pytest.mark.backend("jax")
+def test_jax_forward_mode_and_second_order_with_keys_holding_minus_inf():
+    """jax.jvp and a Hessian-vector product through a key holding -inf (the scores' custom
+    rule is a jvp, so forward mode and second order stay), eagerly and under jax.jit."""
+    import jax
+    import jax.numpy as jnp
+
+    jax.config.update("jax_enable_x64", True)
+    (q, k, t_q, t_k, g), want_tangent, want_second = _keys_holding_minus_inf()
+    q, k, t_q, t_k, g, v = map(jnp.asarray, (q, k, t_q, t_k, g, V))
+
+    def attend(q, k):
+        return multiattn.dot_product_attention(q, k, v)
+
+    def second(q, k):  # t^T H t: the jvp of the gradient
+        grads = jax.grad(lambda q, k: jnp.sum(attend(q, k) * g), argnums=(0, 1))
+        d_grads = jax.jvp(grads, (q, k), (t_q, t_k))[1]
+        return jnp.sum(d_grads[0] * t_q) + jnp.sum(d_grads[1] * t_k)
+
+    tangent = lambda q, k: jax.jvp(attend, (q, k), (t_q, t_k))[1]  # noqa: E731
+    for run in (lambda f: f, jax.jit):
+        np.testing.assert_allclose(np.asarray(run(tangent)(q, k)), want_tangent, rtol=1e-6, atol=1e-8)
+        np.testing.assert_allclose(float(run(second)(q, k)), want_second, rtol=1e-5)
 
 
 @pytest.mark.backend("jax")

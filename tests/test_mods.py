@@ -261,7 +261,7 @@ def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypat
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_has_compiler", lambda ops: True)
     monkeypatch.setattr(tuning.of(bk.module.ops), "compiled_rows", False)
-    monkeypatch.setattr(bk.module.ops, "softmax_with_lse", None)  # mxnet's fused path aside
+    monkeypatch.setattr(tuning.of(bk.module.ops), "fused_softmax", False)  # mxnet's fused path aside
     rng = np.random.default_rng(2)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")
     out = multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)

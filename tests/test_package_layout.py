@@ -333,7 +333,8 @@ def test_the_partial_state_and_its_merge_are_written_once():
 
 def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
     """Both block loops are differentiated through one wrapper (``blockwise.differentiated``,
-    the package's one call of ``ops.custom_gradient``), and the masks of a block, of the whole
+    the package's one call of ``ops.custom_gradient`` for a loop; the other is the scores'
+    product's finite-factor rule, ``state.scores``), and the masks of a block, of the whole
     scores, of a compiled loop's padded block and of a cache's splits are made by
     ``masks.block_visibility`` alone (no other module builds a mask from lengths, and the cache
     makes no positions of its own)."""
@@ -349,6 +350,6 @@ def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 if node.func.id == "block_visibility":
                     calls["block_visibility"].append(name)
-    assert calls["custom_gradient"] == [f"{NAME}.blockwise"], dict(calls)
+    assert sorted(calls["custom_gradient"]) == [f"{NAME}.blockwise", f"{NAME}.state"], dict(calls)
     assert set(calls["length_mask"]) == {f"{NAME}.masks"}, dict(calls)
     assert f"{NAME}.cache" in calls["block_visibility"] and f"{NAME}.cache" not in calls["positions"]

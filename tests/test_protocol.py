@@ -108,7 +108,8 @@ def test_the_protocol_imports_no_other_multiattn_module():
 def test_the_optional_primitives_defaults_compute_what_the_adapters_do():
     """A numpy adapter with every optional primitive at the protocol's default (written from
     the required ones): masked softmax, attention with lengths (one per sequence, per query),
-    a boolean mask and causality, materialised and in blocks, against the float64 reference."""
+    a boolean mask and causality, materialised and in blocks, against the float64 reference;
+    ``softmax_with_lse`` against the formula."""
     from multiattn.backends.numpy import NumpyOps
     from multiattn.functional import bind
 
@@ -130,7 +131,11 @@ def test_the_optional_primitives_defaults_compute_what_the_adapters_do():
         for block_size in (None, 4):
             got = attention(q, k, v, lens, attention_mask=mask, causal=True, block_size=block_size)
             np.testing.assert_allclose(got, want, atol=1e-12)
-        scores = rng.normal(size=(2, 9, 11))
+        scores = rng.normal(size=(2, 9, 11)) * 30
+        assert "softmax_with_lse" not in vars(NumpyOps)  # adapter.Ops' default
+        weights, lse = defaults().softmax_with_lse(scores)
+        np.testing.assert_allclose(lse[..., 0], np.log(np.exp(scores).sum(-1)), rtol=1e-13)
+        np.testing.assert_allclose(weights, np.exp(scores - lse), rtol=1e-12)
         got = masked_softmax(scores, lens, attention_mask=mask, causal=True)
         np.testing.assert_allclose(
             got, ref.masked_softmax(scores, lens, attention_mask=mask, causal=True), atol=1e-12

@@ -62,6 +62,10 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+# torch 2.13's Dynamo warns so on tracing any autograd.Function (it makes one itself)
+TORCH_FUNCTION_WARNING = "<class 'torch.autograd.function.Function'> should not be instantiated"
+
+
 def compiled_twice(fn, first, second, backend=None):
     """fn compiled with fullgraph=True and called on two argument tuples of the same shapes:
     the results, with one frame compiled (a recompile raises) and no graph break counted."""
@@ -69,6 +73,7 @@ def compiled_twice(fn, first, second, backend=None):
     compiled = torch.compile(fn, backend=backend or counter, fullgraph=True)
     with torch._dynamo.config.patch(error_on_recompile=True), warnings.catch_warnings():
         warnings.simplefilter("error")  # a Dynamo warning (a builtin it skips) fails the test
+        warnings.filterwarnings("ignore", TORCH_FUNCTION_WARNING, DeprecationWarning)
         results = compiled(*first), compiled(*second)
     if backend is None:
         assert counter.frame_count == 1
@@ -365,6 +370,7 @@ def test_cached_attention_steps_compile_as_one_graph_once(layout, window):
     outs = []
     with torch._dynamo.config.patch(error_on_recompile=True), warnings.catch_warnings():
         warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", TORCH_FUNCTION_WARNING, DeprecationWarning)
         for t in range(PREFILL, DECODE[-1]):
             step = tuple(x[:, :, t : t + 1] for x in (q, k, v))
             out, cache = compiled(*step, cache)

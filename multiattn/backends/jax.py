@@ -88,10 +88,19 @@ class JaxOps(NumpyLikeOps):
         # eager jax.grad's tracers hold their values; jit's and vmap's do not
         return np.asarray(_concrete_value(x)) if _is_concrete(x) else None
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         if not any(isinstance(t, jax.core.Tracer) for t in tensors):
             return forward(*tensors, *constants)  # concrete: nothing differentiates it
         n = len(tensors)
+        if tangent is not None:  # jvp, hessian and grad alike (grad transposes the rule)
+            linearised = jax.custom_jvp(lambda *args: tuple(forward(*args)))
+
+            @linearised.defjvp
+            def rule(primals, tangents):
+                found = tuple(tangent(primals[:n], primals[n:], tangents[:n]))
+                return tuple(forward(*primals)), found
+
+            return linearised(*tensors, *constants)
         # the constants are arguments, not closed over: custom_vjp refuses closed-over tracers
         function = jax.custom_vjp(lambda *args: tuple(forward(*args)))
 

@@ -58,10 +58,13 @@ class MlxOps(NumpyLikeOps):
     def constant(self, values, like):
         return from_numpy(values)
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         n = len(tensors)
+        # a loop's blocks are computed from arrays cut from any trace (``_unrecorded``); a rule
+        # with a tangent is one product, whose inputs need no evaluation first
+        inputs = _unrecorded if tangent is None else (lambda x: x)
         # the constants are inputs too: a captured array would be a constant of the graph
-        function = mx.custom_function(lambda *args: tuple(forward(*map(_unrecorded, args))))
+        function = mx.custom_function(lambda *args: tuple(forward(*map(inputs, args))))
 
         @function.vjp
         def _(primals, cotangents, outputs):
@@ -72,6 +75,13 @@ class MlxOps(NumpyLikeOps):
                 _lazy.depth -= 1
             # zeros, not None: mlx would hand a None's place a wrong gradient
             return (*grads, *(mx.zeros_like(c) for c in primals[n:]))
+
+        if tangent is not None:  # mx.jvp through it too
+
+            @function.jvp
+            def _(primals, tangents):
+                given = tuple(mx.zeros_like(p) if t is None else t for p, t in zip(primals[:n], tangents))
+                return tuple(tangent(tuple(primals[:n]), tuple(primals[n:]), given))
 
         return function(*tensors, *constants)
 

@@ -91,9 +91,8 @@ class MxnetOps(Ops):
         return npx.softmax(x, axis=-1)
 
     def softmax_with_lse(self, x, column=None):
-        # its fused softmax is faster than its max, exp and sum (benchmarks/RESULTS.md, long
-        # sequences): lse = x_j - log w_j at a column j each row sees, or x_j - log_softmax(x)_j
-        # where w_j underflows (its log-softmax is a few ulp of lse less exact than log w_j)
+        # lse = x_j - log w_j at a column j each row sees, or x_j - log_softmax(x)_j where w_j
+        # underflows (its log-softmax is a few ulp of lse less exact than log w_j)
         w, log_w = npx.softmax(x, axis=-1), npx.log_softmax(x, axis=-1)
         if column is None:
             x_j, w_j, log_w_j = x[..., :1], w[..., :1], log_w[..., :1]
@@ -193,7 +192,7 @@ class MxnetOps(Ops):
         for tensor in x if isinstance(x, tuple) else (x,):
             getattr(tensor, "wait_to_read", lambda: None)()  # symbols (hybridized) have none
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         if not autograd.is_recording():
             return forward(*tensors, *constants)
         return _CustomGradient(forward, backward, constants)(*map(_anchored, tensors))

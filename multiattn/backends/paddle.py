@@ -230,7 +230,7 @@ class PaddleOps(Ops):
     def host_values(self, x):
         return x.numpy() if paddle.in_dynamic_mode() and x.place.is_cpu_place() else None
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         # dynamic mode only: to_static's PyLayer takes tensor arguments alone, and no set_materialize_grads
         if not (
             paddle.in_dynamic_mode()

@@ -211,7 +211,9 @@ class TensorFlowOps(Ops):
     def host_values(self, x):
         return x.numpy() if tf.executing_eagerly() and hasattr(x, "numpy") else None
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
+        if tf.executing_eagerly() and not _recording():  # no tape: the wrapper's cost for nothing
+            return forward(*tensors, *constants)
         n = len(tensors)
 
         @tf.custom_gradient
@@ -225,6 +227,18 @@ class TensorFlowOps(Ops):
             return outputs, grad
 
         return wrapped(*tensors, *constants)
+
+
+def _recording() -> bool:
+    """Whether a gradient tape or forward accumulator may record (TensorFlow's own test; where
+    it has moved, assume one may)."""
+    return _record is None or _record.could_possibly_record()
+
+
+try:
+    from tensorflow.python.eager import record as _record
+except ImportError:  # pragma: no cover (a TensorFlow that moved it)
+    _record = None
 
 
 def _dims(x: tf.Tensor) -> list:

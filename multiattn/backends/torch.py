@@ -249,10 +249,12 @@ class TorchOps(Ops):
     def maximum(self, a, b):
         return torch.clamp_min(a, b) if isinstance(b, float) else torch.maximum(a, b)
 
-    def custom_gradient(self, forward, backward, tensors, constants=()):
+    def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
             return forward(*tensors, *constants)
-        return _CustomGradient.apply(forward, backward, len(tensors), *tensors, *constants)
+        # Dynamo traces no jvp method: compiled, the reverse mode alone
+        function = _CustomGradient if tangent is None or torch.compiler.is_compiling() else _Linearised
+        return function.apply(forward, backward, tangent, len(tensors), *tensors, *constants)
 
     def unrolls_loops(self, x):
         return torch.compiler.is_compiling()
@@ -306,13 +308,13 @@ class TorchOps(Ops):
         lengths = fast_paths.hiding_enough(lengths, keys.shape[-2], VISIBLE_KEYS_MAX_SHARE)
         if isinstance(lengths, str):
             return lengths
-
-        def attend():
-            out, weights = self._attend_visible_keys(queries, keys, values, lengths, scale, need_weights)
-            # else some visible scores or values are not finite: the core's formula says what then
-            return (out, weights) if math.isfinite(float(out.detach().sum())) else None
-
-        return attend
+        # read on the host, as the lengths were (the padding never): the loop's softmax, and
+        # SDPA's backward, would make NaN of them where the core's formula gives 0
+        if not _finite_where_visible(queries, keys, values, lengths):
+            return "a query or a visible key or value holds inf or NaN: the core's formula says what then"
+        return functools.partial(
+            self._attend_visible_keys, queries, keys, values, lengths, scale, need_weights
+        )
 
     def row_windows(self, x, start, size, step, count):
         windows = x[..., start : start + (count - 1) * step + size, :].unfold(-2, size, step)
@@ -325,6 +327,8 @@ class TorchOps(Ops):
 
     def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
         # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
+        if _not_finite_under_autograd(queries, keys):
+            return _not_finite_under_autograd(queries, keys)
         if masks.mask_mod is not None:  # small masked calls: each block of queries over its span
             if not queries.is_cpu or torch.compiler.is_compiling():
                 return "a mask function's spans are planned on the host, eagerly (CPU tensors)"
@@ -349,6 +353,8 @@ class TorchOps(Ops):
             return declined
         if not fast_paths.at_least(queries.shape[:-1] + keys.shape[-2:-1], FUSED_MIN_SCORES):
             return "too few scores for SDPA's fixed cost"
+        if _not_finite_under_autograd(queries, keys):
+            return _not_finite_under_autograd(queries, keys)
         if masks.causal and masks.valid_lens is None and masks.attention_mask is None:
             # causality alone: SDPA's is_causal (top-left, as the core's), no mask made or read
             return lambda: (_sdpa(queries, keys, values, None, scale, is_causal=True), None)
@@ -405,23 +411,40 @@ class TorchOps(Ops):
 
 
 class _CustomGradient(torch.autograd.Function):
-    """``Ops.custom_gradient``: forward saves its inputs and outputs, backward is the core's."""
+    """``Ops.custom_gradient``: forward saves its inputs and outputs, backward is the core's
+    (written in torch's ops, so differentiable again); torch.func's transforms take it
+    (setup_context, a generated vmap rule)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, forward, backward, n_tensors, *args):
-        outputs = forward(*args)
+    def forward(forward, backward, tangent, n_tensors, *args):
+        return tuple(forward(*args))
+
+    @staticmethod
+    def setup_context(ctx, inputs, outputs):
+        _, backward, tangent, n_tensors, *args = inputs
         ctx.set_materialize_grads(False)  # an unused output's cotangent stays None
-        ctx.backward, ctx.n_tensors, ctx.n_outputs = backward, n_tensors, len(outputs)
+        ctx.backward, ctx.tangent, ctx.n_tensors, ctx.n_outputs = backward, tangent, n_tensors, len(outputs)
         ctx.save_for_backward(*args, *outputs)
-        return outputs
+        ctx.save_for_forward(*args)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, *cotangents):
         saved, n, n_out = ctx.saved_tensors, ctx.n_tensors, ctx.n_outputs
         args, outputs = saved[: len(saved) - n_out], saved[len(saved) - n_out :]
         grads = ctx.backward(args[:n], args[n:], outputs, cotangents)
-        return (None, None, None, *grads) + (None,) * (len(args) - n)
+        return (None, None, None, None, *grads) + (None,) * (len(args) - n)
+
+
+class _Linearised(_CustomGradient):
+    """``Ops.custom_gradient`` with a tangent rule: forward mode too (torch.func.jvp, hessian)."""
+
+    @staticmethod
+    def jvp(ctx, _forward, _backward, _tangent, _n, *tangents):
+        args, n = ctx.saved_tensors, ctx.n_tensors
+        given = tuple(torch.zeros_like(a) if t is None else t for a, t in zip(args[:n], tangents))
+        return tuple(ctx.tangent(args[:n], args[n:], given))
 
 
 def _grouped(queries, keys) -> bool:
@@ -536,6 +559,29 @@ def _sliceable_lengths(x: torch.Tensor, lens: torch.Tensor) -> Optional[list]:
     if x.numel() < SLICE_MIN_SEQUENCE_ELEMENTS * x.shape[0]:
         return None
     return _lengths_on_host(lens, x)
+
+
+def _finite_where_visible(queries, keys, values, lengths: list) -> bool:
+    """Whether the queries and each sequence's visible keys and values are finite."""
+    if not bool(torch.isfinite(queries).all()):
+        return False
+    return all(
+        bool(torch.isfinite(x[b, ..., :n, :]).all()) for b, n in enumerate(lengths) for x in (keys, values)
+    )
+
+
+def _not_finite_under_autograd(queries: torch.Tensor, keys: torch.Tensor) -> Optional[str]:
+    """Why SDPA may not take a recorded call: a query or key holding inf or NaN, whose hidden
+    scores' dS of 0 its backward multiplies to NaN (the core's product takes finite factors,
+    ``state.scores``).  Read eagerly on the CPU only: on a device or compiling, taken as finite."""
+    tensors = (queries, keys)
+    if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+        return None
+    if torch.compiler.is_compiling() or not all(t.is_cpu and not _transformed(t) for t in tensors):
+        return None
+    if all(bool(torch.isfinite(t).all()) for t in tensors):
+        return None
+    return "a query or key holds inf or NaN under autograd: SDPA's backward would make NaN of it"
 
 
 def _lengths_on_host(lens: torch.Tensor, *tensors: torch.Tensor, recorded: bool = False) -> Optional[list]:
