@@ -310,7 +310,9 @@ class Primitives:
         through the framework's own custom-gradient mechanism; cotangents: one per output,
         None where it is not used.  tangent(tensors, constants, tangents) -> one tangent per
         output, linear in tangents: the forward-mode rule, where the framework takes one (jax
-        transposes it for the reverse mode too, so its forward and second-order modes stay).
+        transposes it for the reverse mode too, so its forward and second-order modes stay); a
+        rule with a tangent gives what the framework's own differentiation of forward gives
+        where the tensors are finite, so an adapter may run forward plainly there (torch).
         The default runs forward as it is (no autodiff, or the framework's own differentiation)."""
         return forward(*tensors, *constants)
 

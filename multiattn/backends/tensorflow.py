@@ -214,6 +214,12 @@ class TensorFlowOps(Ops):
     def custom_gradient(self, forward, backward, tensors, constants=(), tangent=None):
         if tf.executing_eagerly() and not _recording():  # no tape: the wrapper's cost for nothing
             return forward(*tensors, *constants)
+        if (
+            tangent is not None
+            and tf.executing_eagerly()
+            and all(np.isfinite(t.numpy()).all() for t in tensors)
+        ):
+            return forward(*tensors, *constants)  # the tape's own gradients are the rule's
         n = len(tensors)
 
         @tf.custom_gradient
