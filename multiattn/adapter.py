@@ -4,7 +4,7 @@ with the check that an adapter is complete and declares nothing the two halves d
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 from . import _registry, state
 from .protocol import REQUIRED, Primitives, Tensor
@@ -17,7 +17,7 @@ class Ops(Primitives, Specialisations):
     def check_tensors(self, **tensors: Tensor) -> None:
         _registry.check_framework(self.name, **tensors)
 
-    def softmax_with_lse(self, x: Tensor, column: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    def softmax_with_lse(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         """``protocol``'s optional softmax_with_lse from the required ops: the state's lse."""
         lse = state.log_sum_exp(self, x)
         return self.exp(x - lse), lse

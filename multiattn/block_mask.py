@@ -3,9 +3,9 @@ FlexAttention's ``BlockMask`` (``create_block_mask``), on every framework.
 
 A ``BlockMask`` holds the masks, normalised (a mask function that implies causality drops
 ``causal``; lengths that hide no key are dropped), and, per block size, the block map: for each
-query block the key blocks to visit (``block_loop.BlockMap``, and the block plan's answers),
-computed on the first call that needs them and kept.  ``block_mask=bm`` on a call gives what
-passing the same masks gives.
+query block the key blocks to visit, those that need a mask and those that need none
+(``blockwise.BlockMap``), computed on the first call that needs them and kept.
+``block_mask=bm`` on a call gives what passing the same masks gives.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ class BlockMask:
     ) -> None:  # fmt: skip
         self.ops, self.masks, self.block_size, self.heads = ops, masks, block_size, heads
         self.shape = (batch, q_len, kv_len)  # batch None: any
-        self.maps: dict = {}  # block side -> block_loop.BlockMap
-        self.shown: dict = {}  # (block side, heads, q0, q1) -> blockwise.Plan.shown's answer
+        self.maps: dict = {}  # (block side, heads, evaluated) -> blockwise.BlockMap
 
     @property
     def valid_lens(self) -> Tensor:
@@ -53,13 +52,18 @@ class BlockMask:
     def mask_mod(self) -> Any:
         return self.masks.mask_mod
 
-    def block_map(self, block: int) -> Any:
-        """The ``block_loop.BlockMap`` of this mask in blocks of side block, computed once."""
-        found = self.maps.get(block)
+    def block_map(self, block: int, like: Tensor = None) -> Any:
+        """The ``blockwise.BlockMap`` of this mask in blocks of side block, computed once for
+        each number of heads of like (the queries, on which a mask function's blocks are
+        evaluated to be classified; None: the framework's loop, traced, its blocks padded)."""
+        shape = None if like is None else self.ops.shape(like)
+        key = (block, None if shape is None or len(shape) == 3 else shape[1], like is None)
+        found = self.maps.get(key)
         if found is None:
-            from .block_loop import BlockMap
+            from .blockwise import BlockMap
 
-            found = self.maps[block] = BlockMap(self.ops, self.masks, self.shape[1], self.shape[2], block)
+            sizes = (self.shape[1], self.shape[2], block)
+            found = self.maps[key] = BlockMap(self.ops, self.masks, *sizes, like=like, padded=like is None)
         return found
 
     def __repr__(self) -> str:

@@ -1,20 +1,22 @@
 """Exact attention in blocks: the scores (Q x K) never exist whole, only one block of them.
 
-Forward, the online softmax of Rabe & Staats (2021) and FlashAttention-2: for each block of
-queries, over the key blocks j in turn, with S_j = scale * Q K_j^T,
+Forward, the online softmax of Rabe & Staats (2021) and FlashAttention-2 (``state``): for each
+block of queries, over the key blocks j the block map keeps (``BlockMap``: FlexAttention's
+tables, the blocks that need a mask and those that need none), with S_j = scale * Q K_j^T,
 
     m' = max(m, rowmax S_j),   P = exp(S_j - m'),
     l' = exp(m - m') l + rowsum P,   O' = exp(m - m') O + P V_j,
 
 then output = O / l and lse = m + log l, the log of the sum of exp over the visible scores.
-Backward, by recomputation from lse (FlashAttention-2): P = exp(S - lse), D = rowsum(dO * O),
-dV = P^T dO, dP = dO V^T, dS = P * (dP - D + dlse), dQ = scale dS K, dK = scale dS^T Q.
+Backward, by recomputation from lse (FlashAttention-2): for each key block over the query
+blocks that visit it, P = exp(S - lse), D = rowsum(dO * O), dV = P^T dO, dP = dO V^T,
+dS = P * (dP - D + dlse), dQ = scale dS K, dK = scale dS^T Q.
 
-A block the masks hide entirely is skipped; one they show entirely is not masked (``Plan``).
-A hidden score is -inf, and a row whose running max is still -inf (nothing visible yet) is
-exponentiated against the dtype's lowest finite value, so its terms are exactly 0: a row
-with nothing visible, or whose visible scores are all -inf, gives output 0 and lse -inf.
-Half types are computed in float32 (``ops.widen``).  Written once, over ``adapter.Ops``.
+One loop, written once over ``adapter.Ops``: in the framework's loop primitives where a
+compiler traces the call (``Ops.loop``, ``Ops.map_rows``, ``Ops.rows_at``: jax's ``lax``,
+tensorflow's ``while_loop``; one loop, compiled in the same time at any length), else a Python
+loop over host ints.  A hidden score is -inf; a row with nothing visible gives output 0 and
+lse -inf (``state.finish``).  Half types are computed in float32 (``ops.widen``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from . import _machine, heads, tuning
 from .masks import Masks, block_visibility, visible_values
+from .protocol import Primitives
 from .state import NEG_INF, block_sums, empty, finish, finite, finite_factor, merge_sums, weights
 
 Tensor = Any
@@ -122,14 +125,10 @@ class Plan:
         self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int, like: Tensor = None
     ) -> None:
         self.ops, self.masks, self.block, self._like = ops, masks, block, like
-        # traced by torch.compile: a cache of Python state read or filled here is guarded on (a recompile)
-        self.traced = like is not None and ops.unrolls_loops(like)
         lead = (1,) if like is None else tuple(ops.shape(like)[:-2])  # (B,) or (B, H)
         self.batch, self.heads = lead[0], (lead[1] if len(lead) == 2 else None)
         self._classify = None if masks.mask_mod is None else masks.mask_mod.classifier(ops)
         self.mod_values: dict = {}  # a mask function's blocks, evaluated to be classified
-        self.shared_mod_values: dict = {}  # its blocks by ``MaskFunction.values_key``
-        self._biases: dict = {}  # ``hidden_by_bias``'s, by the mask they were made from
         self._visible: dict = {}  # ``visibility`` of a mask function alone, by its ``values_key``
         self.query_blocks = [(i, min(i + block, n_queries)) for i in range(0, n_queries, block)]
         self.key_blocks = [(j, min(j + block, n_keys)) for j in range(0, n_keys, block)]
@@ -185,10 +184,6 @@ class Plan:
     def shown(self, q0: int, q1: int) -> List[Tuple[int, Tuple[int, int], str, Tuple[str, ...]]]:
         """(index, (k0, k1), kind, parts) of each key block the queries [q0, q1) do not skip;
         blocks outside ``key_range`` known hidden without examining them."""
-        kept = None if self.masks.block_mask is None or self.traced else self.masks.block_mask.shown
-        key = (self.block, self.heads, q0, q1)  # a mask function may depend on the head
-        if kept is not None and key in kept:  # a block mask's, computed before
-            return kept[key]
         lo, hi = self.key_range(q0, q1)
         found = []
         for at, (k0, k1) in enumerate(self.key_blocks):
@@ -197,26 +192,26 @@ class Plan:
             kind, parts = self.kind(q0, q1, k0, k1)
             if kind != SKIP:
                 found.append((at, (k0, k1), kind, parts))
-        if kept is not None:
-            kept[key] = found
         return found
 
-    def halves(self, q0: int, q1: int, k0: int, k1: int) -> Optional[tuple]:
-        """For a PARTIAL square block with a quarter off its diagonal hidden entirely (a
-        sliding window's band), the key columns each half of its queries needs, ((c0, c1) of
-        the first half, of the second), relative to k0; else None.  Not where a mask
-        function's quarters would have to be evaluated to be known."""
-        side = q1 - q0
-        if side < 2 or k1 - k0 != side:
-            return None
-        if self.masks.mask_mod is not None and self._classify((q0, q1, k0, k1)) is None:
-            return None
-        half = side // 2
-        if self.kind(q0, q0 + half, k0 + half, k1)[0] == SKIP:
-            return (0, half), (0, side)
-        if self.kind(q0 + half, q1, k0, k0 + half)[0] == SKIP:
-            return (0, side), (half, side)
-        return None
+    def visibility(self, parts: tuple, q_block: Tensor, k_block: Tensor, q0: int, q1: int, k0: int, k1: int):
+        """The boolean mask of a PARTIAL block from the parts it needs, broadcastable to its
+        scores (B, [H,] bq, bk): one tensor for blocks alike (a window's, by the mask
+        function's ``values_key``); the mask function's booleans kept from classifying it."""
+        masks = self.masks
+        key = masks.mask_mod.values_key((q0, q1, k0, k1)) if parts == ("mod",) else None
+        if key is not None and key in self._visible:
+            return self._visible[key]
+        visible = block_visibility(
+            self.ops, q_block, q0, k0, q1 - q0, k1 - k0, rank=len(self.ops.shape(q_block)),
+            valid_lens=masks.valid_lens if "lengths" in parts else None,
+            attention_mask=masks.attention_mask if "mask" in parts else None, causal="causal" in parts,
+            mask_mod=masks.mask_mod if "mod" in parts else None, heads=self.heads, batch=self.batch,
+            mod_values=self.mod_values.pop((q0, q1, k0, k1), None) if "mod" in parts else None,
+        )  # fmt: skip
+        if key is not None:
+            self._visible[key] = visible
+        return visible
 
     def _mod_kind(self, block: tuple) -> Optional[Tuple[bool, bool]]:
         """(some key visible, every key) for the mask function over a block: from what it
@@ -231,77 +226,6 @@ class Plan:
         if known is None or (known[0] and not known[1]):  # to be masked: kept for ``visibility``
             self.mod_values[block] = values
         return known
-
-    def visibility(
-        self, parts: Tuple[str, ...], q_block: Tensor, k_block: Tensor, q0: int, q1: int, k0: int, k1: int
-    ) -> Tensor:
-        """The boolean mask of a PARTIAL block, broadcastable to its scores (B, [H,] bq, bk)."""
-        ops, masks = self.ops, self.masks
-        key = masks.mask_mod.values_key((q0, q1, k0, k1)) if parts == ("mod",) else None
-        if key is not None and key in self._visible:  # a block alike (a window's): its mask
-            return self._visible[key]
-        visible = block_visibility(
-            ops, k_block, q0, k0, q1 - q0, k1 - k0, rank=len(ops.shape(q_block)),
-            valid_lens=masks.valid_lens if "lengths" in parts else None,
-            attention_mask=masks.attention_mask if "mask" in parts else None, causal="causal" in parts,
-            mod_values=self._mod_values((q0, q1, k0, k1), q_block) if "mod" in parts else None,
-        )  # fmt: skip
-        if key is not None:
-            self._visible[key] = visible
-        return visible
-
-    def _mod_values(self, block: tuple, q_block: Tensor) -> Tensor:
-        """The mask function's booleans for a block: kept from its classification, shared with
-        a block alike (``values_key``), or evaluated."""
-        mod = self.masks.mask_mod
-        values = self.mod_values.pop(block, None)
-        if values is not None:
-            return values
-        key = mod.values_key(block)
-        values = None if key is None else self.shared_mod_values.get(key)
-        if values is None:
-            values = mod.values(self.ops, q_block, self.heads, block, self.batch)
-            if key is not None:
-                self.shared_mod_values[key] = values
-        return values
-
-    def hidden_by_bias(self, seen: Tensor, q_block: Tensor, k_block: Tensor) -> Optional[tuple]:
-        """A partial block's mask as ``ops.softmax_with_lse`` takes it: (bias: 0 where seen,
-        ``HIDDEN`` where not, in the scores' shape; column: a key each row sees, any where it
-        sees none; row_bias: 0, or -inf for a row that sees none), kept for a mask blocks
-        share (a window's: ``visibility``), not for the others (a block of scores each); None
-        where the mask cannot be read on the host."""
-        found = self._biases.get(id(seen))
-        if found is not None and found[0] is seen:
-            return found[1]
-        ops, host = self.ops, self.ops.host_values(seen)
-        if host is None:
-            return None
-        shape = tuple(ops.shape(q_block)[:-1]) + (ops.shape(k_block)[-2],)
-        host = np.broadcast_to(host, shape)
-        sees = ops.constant(host.any(-1, keepdims=True), q_block)
-        made = (
-            ops.where(seen, ops.zeros(shape, q_block), HIDDEN),
-            ops.constant(host.argmax(-1), q_block),  # the first key each row sees
-            ops.where(sees, ops.zeros(ops.shape(sees), q_block), NEG_INF),
-        )
-        if any(seen is shared for shared in self._visible.values()):  # blocks alike: kept
-            self._biases[id(seen)] = (seen, made)  # seen held: its id is not reused while kept
-        return made
-
-    def split(self, x: Tensor, blocks: List[Tuple[int, int]]) -> List[Tensor]:
-        """x's rows (axis -2) in these consecutive blocks (``ops.split_rows``)."""
-        return self.ops.split_rows(x, [stop - start for start, stop in blocks])
-
-    def visible_values(
-        self, parts: Tuple[str, ...], v_block: Tensor, seen: Tensor, q1: int, k1: int
-    ) -> Tensor:
-        """v_block with the rows no query of a PARTIAL block may see set to 0 (a NaN there must
-        not reach the output as 0 * NaN); as it is where causality alone masks the block and
-        its last query sees every key of it."""
-        if parts == ("causal",) and k1 <= q1:
-            return v_block
-        return visible_values(self.ops, v_block, seen)
 
 
 def _block_of(mask: Tensor, q0: int, q1: int, k0: int, k1: int) -> Tensor:
@@ -319,362 +243,361 @@ def rows(x: Tensor, start: int, stop: int) -> Tensor:
     return x[..., start:stop, :]
 
 
+class BlockMap:
+    """FlexAttention's block tables: per query block i, the key blocks that need a mask,
+    ``kv_index[i][:kv_count[i]]``, and those that need none, ``full_kv_index[i][:full_kv_count[i]]``;
+    per key block j, the query blocks that visit it likewise (``q_index``, ``full_q_index``: the
+    backward's); from the plan (``Plan``), kept for the masks of the partial blocks (the parts
+    each needs, known on the host).  like: the queries, on which a mask function's blocks may
+    be evaluated to be classified (None: not).  padded: the framework's loop pads the last
+    blocks to whole ones, so the blocks at the padding need its mask (none is full)."""
+
+    def __init__(
+        self, ops: Ops, masks: Masks, n_queries: int, n_keys: int, block: int, like=None, padded: bool = False
+    ) -> None:
+        self.plan = plan = Plan(ops, masks, n_queries, n_keys, block, like=like)
+        self.parts: dict = {}
+        partial: List[List[int]] = []
+        full: List[List[int]] = []
+        last = len(plan.key_blocks) - 1 if n_keys % block else None  # a padded key block
+        for i, (q0, q1) in enumerate(plan.query_blocks):
+            shown = plan.shown(q0, q1)
+            is_full = [
+                kind == FULL and not (padded and (q1 - q0 < block or j == last)) for j, _, kind, _ in shown
+            ]
+            partial.append([j for (j, *_), f in zip(shown, is_full) if not f])
+            full.append([j for (j, *_), f in zip(shown, is_full) if f])
+            self.parts.update(((i, j), parts) for j, _, _, parts in shown)
+        plan._like = None  # classified: the queries are not held by a block mask that keeps this map
+        self.block, self.n_queries, self.n_keys = block, n_queries, n_keys
+        self.kv_index, self.full_kv_index = partial, full
+        self.q_index, self.full_q_index = (
+            _transposed(partial, len(plan.key_blocks)),
+            _transposed(full, len(plan.key_blocks)),
+        )
+        self.kv_count, self.full_kv_count, self.q_count, self.full_q_count = (
+            [len(row) for row in table] for table in (partial, full, self.q_index, self.full_q_index)
+        )
+
+    def tables(self) -> list:
+        """The tables as integer arrays, each row padded with 0 past its count (the framework's)."""
+        found = []
+        for table in (self.kv_index, self.full_kv_index, self.q_index, self.full_q_index):
+            array = np.zeros((len(table), max(max(map(len, table), default=0), 1)), np.int32)
+            for i, row in enumerate(table):
+                array[i, : len(row)] = row
+            found += [array, np.array([len(row) for row in table], np.int32)]
+        return found
+
+
+def _transposed(table: List[List[int]], count: int) -> List[List[int]]:
+    found: List[List[int]] = [[] for _ in range(count)]
+    for i, row in enumerate(table):
+        for j in row:
+            found[j].append(i)
+    return found
+
+
+def framework_loop(ops: Ops, queries: Tensor, masks: Masks) -> bool:
+    """Whether this call runs the loop in the framework's loop primitives: traced, by a
+    framework that has them (``Ops.loop_primitives``), with sizes known and a mask function (if
+    any) that takes traced blocks; else the loop is Python's, over host ints."""
+    return (
+        ops.loop_primitives
+        and ops.host_values(queries) is None
+        and None not in ops.shape(queries)
+        and (masks.mask_mod is None or masks.mask_mod.traceable())
+    )
+
+
+class _Blocks:
+    """One call's blocks: where the loop is the framework's (``framework_loop``), its tensors
+    padded to whole blocks, the tables as tensors and each block at a traced start; else
+    Python's loop over ints, the last block as long as what is left.  ``seen``: the mask of a
+    partial block."""
+
+    def __init__(self, ops: Ops, bmap: BlockMap, masks: Masks, like: Tensor, in_framework: bool) -> None:
+        self.ops, self.bmap, self.masks, self.in_framework = ops, bmap, masks, in_framework
+        shape, b = ops.shape(like), bmap.block
+        self.batch, self.heads, self.rank = shape[0], (shape[1] if len(shape) == 4 else None), len(shape)
+        self.loop = ops.loop if in_framework else _python_loop
+        self.map_rows = ops.map_rows if in_framework else functools.partial(Primitives.map_rows, ops)
+        self.q_rows, self.k_rows = bmap.n_queries, bmap.n_keys
+        tables = (bmap.kv_index, bmap.kv_count, bmap.full_kv_index, bmap.full_kv_count,
+                  bmap.q_index, bmap.q_count, bmap.full_q_index, bmap.full_q_count)  # fmt: skip
+        self.masks_padded = masks
+        self.limits: tuple = (None, None)
+        if in_framework:
+            tables = tuple(ops.constant(x, like) for x in bmap.tables())
+            self.q_rows, self.k_rows = len(bmap.kv_count) * b, len(bmap.q_count) * b
+            self.limits = (
+                None if self.q_rows == bmap.n_queries else bmap.n_queries,
+                None if self.k_rows == bmap.n_keys else bmap.n_keys,  # the padding
+            )
+            lens, mask = masks.valid_lens, masks.attention_mask
+            if lens is not None and len(ops.shape(lens)) == 2:
+                lens = _padded(ops, lens, self.q_rows, axis=-1)
+            if mask is not None:
+                for axis, n in ((-2, self.q_rows), (-1, self.k_rows)):
+                    if len(ops.shape(mask)) >= -axis and ops.shape(mask)[axis] != 1:  # else broadcast
+                        mask = _padded(ops, mask, n, axis)
+            self.masks_padded = Masks(lens, mask, masks.causal, masks.mask_mod)
+        (self.kv_index, self.kv_count, self.full_kv_index, self.full_kv_count,
+         self.q_index, self.q_count, self.full_q_index, self.full_q_count) = tables  # fmt: skip
+
+    def q(self, x: Tensor) -> Any:
+        """x's rows (axis -2) by query block: padded to whole blocks in the framework's loop, a
+        list of its blocks (cut in one op, ``Ops.split_rows``) in Python's."""
+        return self._blocks(x, self.q_rows, self.bmap.n_queries)
+
+    def k(self, x: Tensor) -> Any:
+        """x's rows by key block, as ``q``."""
+        return self._blocks(x, self.k_rows, self.bmap.n_keys)
+
+    def _blocks(self, x: Tensor, padded_rows: int, rows: int) -> Any:
+        if self.in_framework:
+            return _padded(self.ops, x, padded_rows)
+        b = self.bmap.block
+        return self.ops.split_rows(x, [min(b, rows - at) for at in range(0, rows, b)])
+
+    def at(self, x: Any, i: Any) -> Tensor:
+        """Block i of x's rows (``q``, ``k``)."""
+        return self.ops.rows_at(x, i * self.bmap.block, self.bmap.block) if self.in_framework else x[i]
+
+    def seen(self, i: Any, j: Any, q: Tensor, k: Tensor) -> Optional[Tensor]:
+        """The boolean mask of the partial block (i, j) of queries q and keys k, broadcastable to
+        its scores: in the framework's loop every mask's (and the padding's), else the parts
+        the host found it needs."""
+        ops, masks, b = self.ops, self.masks_padded, self.bmap.block
+        q0, k0 = i * b, j * b
+        n_queries, n_keys = ops.shape(q)[-2], ops.shape(k)[-2]
+        common = dict(rank=self.rank, heads=self.heads, batch=self.batch)
+        if self.in_framework:
+            return block_visibility(
+                ops, q, q0, k0, n_queries, n_keys, limits=self.limits, valid_lens=masks.valid_lens,
+                attention_mask=masks.attention_mask, causal=masks.causal, mask_mod=masks.mask_mod, **common,
+            )  # fmt: skip
+        parts = self.bmap.parts[i, j]
+        return self.bmap.plan.visibility(parts, q, k, q0, q0 + n_queries, k0, k0 + n_keys)
+
+    def hides_values(self, i: Any, j: Any, k: Tensor) -> bool:
+        """Whether a partial block's hidden values must be set to 0 (a NaN there must not reach
+        the output as 0 * NaN): not where causality alone masks it and its last query sees
+        every key of it."""
+        if self.in_framework:
+            return True
+        b = self.bmap.block
+        return self.bmap.parts[i, j] != ("causal",) or j * b + self.ops.shape(k)[-2] > min(
+            (i + 1) * b, self.q_rows
+        )
+
+    def add(self, blocks: Any, i: Any, x: Tensor) -> Any:
+        """blocks (a list of blocks, or a tensor (count, ..., b, d) in the framework's loop)
+        with x added to block i."""
+        if not self.in_framework:
+            blocks[i] = x if blocks[i] is None else blocks[i] + x
+            return blocks
+        return self.ops.write_rows(blocks, i, 0, self.ops.rows_at(blocks, i, 1, axis=0)[0] + x)
+
+    def settle(self, acc: tuple) -> None:
+        """``Ops.settle`` of the accumulated gradients (blocks, then tensors)."""
+        head = [x for x in acc[0] if x is not None] if isinstance(acc[0], list) else [acc[0]]
+        self.ops.settle(tuple(head) + tuple(acc[1:]))
+
+    def joined(self, blocks: Any, like: Tensor, n: int) -> Tensor:
+        """The blocks' rows one after another, the first n of them; zeros for a block none added to."""
+        if self.in_framework:
+            return self.ops.joined_rows(blocks)[..., :n, :]
+        b, ops = self.bmap.block, self.ops
+        parts = [
+            ops.zeros(tuple(ops.shape(like)[:-2]) + (min(b, n - at * b), ops.shape(like)[-1]), like)
+            if x is None else x
+            for at, x in enumerate(blocks)
+        ]  # fmt: skip
+        return parts[0] if len(parts) == 1 else ops.concat(parts, -2)
+
+    def buffer(self, count: int, like: Tensor) -> Any:
+        """count blocks of zeros shaped like like's rows (a list of Nones on the host)."""
+        if not self.in_framework:
+            return [None] * count
+        b, ops = self.bmap.block, self.ops
+        return ops.zeros((count,) + tuple(ops.shape(like)[:-2]) + (b, ops.shape(like)[-1]), like)
+
+
+def _python_loop(count: int, body: Callable[[int, tuple], tuple], state: tuple) -> tuple:
+    for n in range(count):
+        state = body(n, state)
+    return state
+
+
+def _padded(ops: Ops, x: Tensor, n: int, axis: int = -2) -> Tensor:
+    """x with zeros (False) after its entries along axis, to n of them."""
+    shape = list(ops.shape(x))
+    missing = n - shape[axis]
+    if missing == 0:
+        return x
+    shape[axis] = missing
+    return ops.concat([x, ops.zeros(tuple(shape), x)], axis)
+
+
 # -- forward ---------------------------------------------------------------------------------------
 
 ScoreFn = Callable[..., Tensor]  # (query block, key block, *, block=(q0, q1, k0, k1)) -> scores
-DIAGONAL = "diagonal"  # a causal block on the diagonal, in two halves (``_diagonal``)
-PARTIAL_FINITE = "partial, finite values"  # a partial block whose values need no masking
-# (HALVES, the key columns of each half of the queries, mask the values?): where each step is a
-# program of its own (jax), a partial block's hidden quarter is left out at no dispatch's cost
-HALVES = "halves"
-# through the framework's fused softmax (``Ops.softmax_with_lse``), where the scores are bounded
-FULL_FUSED, PARTIAL_FUSED = "full, fused softmax", "partial, fused softmax"
 
 
-def attention_in_blocks(
-    ops: Ops,
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    masks: Masks,
-    *,
-    block_size: int,
-    scale: float = 1.0,
-    score: Optional[ScoreFn] = None,
-) -> Tuple[Tensor, Tensor]:
-    """(output (B, [H,] Q, v), lse (B, [H,] Q, 1)) of masked attention, the online softmax over
-    square blocks of ``block_size``.  score(query block, key block, block=(q0, q1, k0, k1))
-    -> its scores (default: ``scale * q k^T``); queries and keys are whatever it takes,
-    blocked along axis -2."""
+def forward(
+    ops: Ops, bmap: BlockMap, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *,
+    scale: float = 1.0, score: Optional[ScoreFn] = None, in_framework: bool = False,
+) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    """(output (B, [H,] Q, v), lse (B, [H,] Q, 1)) of masked attention, the online softmax for
+    each query block over its partial key blocks, then its full ones.  score(query block, key
+    block, block=(q0, q1, k0, k1)) -> its scores (default: ``scale * q k^T``); queries and keys
+    are whatever it takes, blocked along axis -2.  in_framework: the framework's loop."""
     like = values
     queries, keys, values = ops.widen(queries), ops.widen(keys), ops.widen(values)
-    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
-    if n_queries is None or n_keys is None:
-        raise ValueError(
-            f"block_size={block_size} needs the numbers of queries and keys known when the call is "
-            f"traced, got {n_queries} queries and {n_keys} keys (None: unknown)"
-        )
     if score is None:
         queries = queries * scale  # once, not per block
-    plan = Plan(ops, masks, n_queries, n_keys, block_size, like=queries)
-    how = _How(ops, plan, queries, keys, values, score)
-    key_blocks = list(zip(plan.split(keys, plan.key_blocks), plan.split(values, plan.key_blocks)))
-    found: list = []  # (output, lse) of each query block in turn
-    pending: list = []  # (query block, row) for one compiled program of rows (``_run_rows``)
-    for (q0, q1), q_block in zip(plan.query_blocks, plan.split(queries, plan.query_blocks)):
-        row = how.row(q0, q1, q_block, key_blocks, keys, values)
-        length = _program_length(ops, q_block, row) if row and how.compile_rows else 0
-        if row and len(row) <= length:  # a short row: several in one program, within its length
-            if len(pending) == ROWS_PER_PROGRAM or sum(len(r) for _, r in pending) + len(row) > length:
-                found.extend(_run_rows(ops, pending))
-                pending = []
-            pending.append((q_block, row))
-            continue
-        found.extend(_run_rows(ops, pending))
-        pending = []
-        if row:
-            out, lse = _run_row(ops, q_block, row, how.compile_rows, finished=how.compile_steps)
-        else:  # every key block hidden: nothing to attend to
-            out, lse = finish(ops, empty(ops, tuple(ops.shape(q_block)[:-1]), ops.shape(values)[-1], values))
-        ops.settle((out, lse))  # lazy frameworks: the sums would keep every block of scores alive
-        found.append((out, lse))
-    found.extend(_run_rows(ops, pending))
-    outs, lses = [out for out, _ in found], [lse for _, lse in found]
-    out = outs[0] if len(outs) == 1 else ops.concat(outs, -2)
-    lse = lses[0] if len(lses) == 1 else ops.concat(lses, -2)
-    return ops.cast(out, like), lse
+    blocks = _Blocks(ops, bmap, masks, queries, in_framework)
+    steps = _Steps(ops, blocks, queries, keys, values, score)
+    q_all, k_all, v_all = blocks.q(queries), blocks.k(keys), blocks.k(values)
+    lead, width = tuple(ops.shape(queries)[:-2]), ops.shape(values)[-1]
+
+    def query_block(i: Any) -> Tuple[Tensor, Tensor]:
+        q, counts = blocks.at(q_all, i), (blocks.kv_count[i], blocks.full_kv_count[i])
+
+        def key_block(table: Any, masked: bool) -> Callable[[Any, tuple], tuple]:
+            def visit(n: Any, state: tuple) -> tuple:
+                j = table[i][n]
+                last = not in_framework and n == counts[not masked] - 1 and (not masked or not counts[1])
+                return steps.run(i, j, q, blocks.at(k_all, j), blocks.at(v_all, j), masked, state, last)
+
+            return visit
+
+        # Python's loop starts a row from its first block's sums and finishes it in its last
+        # step (where steps are compiled, nothing runs between them); the framework's from none
+        state = empty(ops, lead + (ops.shape(q)[-2],), width, q) if in_framework or counts == (0, 0) else ()
+        state = blocks.loop(counts[0], key_block(blocks.kv_index, True), state)
+        state = blocks.loop(counts[1], key_block(blocks.full_kv_index, False), state)
+        found = finish(ops, state) if len(state) == 3 else state
+        ops.settle(found)  # lazy frameworks: the sums would keep every block of scores alive
+        return found
+
+    out, lse = blocks.map_rows(query_block, len(bmap.kv_count), (queries, queries))
+    n = bmap.n_queries
+    return ops.cast(out[..., :n, :], like), lse[..., :n, :]
 
 
-class _How:
-    """How one call's blocks run: which steps are compiled (``Ops.compiled``), alone or a row's
-    several at once (``tuning.Tuning.compiled_rows``); whether the framework's fused softmax takes them
-    (bounded scores), whether hidden values need masking; and each query block's row of steps."""
+class _Steps:
+    """The step of one block: its scores (the caller's ``score``, else q k^T), its mask where
+    partial, merged into the row's sums; compiled by the framework where that pays (``Ops.compiled``:
+    one dispatch per block, from ``COMPILE_MIN_BLOCKS`` blocks), through its fused softmax where
+    the tuning asks (``tuning.Tuning.fused_softmax``) and the scores are bounded."""
 
-    def __init__(self, ops: Ops, plan: Plan, queries: Tensor, keys: Tensor, values: Tensor, score) -> None:
-        self.ops, self.plan, self.score = ops, plan, score
-        compile_ = score is None and len(plan.query_blocks) * len(plan.key_blocks) >= COMPILE_MIN_BLOCKS
-        self.compile_rows = compile_ and tuning.of(ops).compiled_rows
-        self.compile_steps = compile_ and not self.compile_rows
+    def __init__(
+        self, ops: Ops, blocks: _Blocks, queries: Tensor, keys: Tensor, values: Tensor, score
+    ) -> None:
+        self.ops, self.blocks, self.score = ops, blocks, score
+        host = not blocks.in_framework and score is None
         # finite values (or nothing hidden): no hidden value can reach an output as 0 * NaN
-        self.finite_values = plan.masks.none or known_finite(ops, values)
-        self.fused = score is None and tuning.of(ops).fused_softmax and bounded_scores(ops, queries, keys)
-        self.merge = not (compile_ and _has_compiler(ops))  # a row's blocks as one span (``_spans``)
-        self.jitted_steps = self.compile_steps and not self.merge  # each step a program of the compiler's
+        self.finite_values = not blocks.in_framework and (blocks.masks.none or known_finite(ops, values))
+        self.fused = host and tuning.of(ops).fused_softmax and bounded_scores(ops, queries, keys)
+        grid = len(blocks.bmap.kv_count) * len(blocks.bmap.q_count)
+        self.compiled = host and grid >= COMPILE_MIN_BLOCKS and _has_compiler(ops)
 
-    def row(self, q0: int, q1: int, q_block: Tensor, key_blocks: list, keys: Tensor, values: Tensor) -> list:
-        """(step kind, its step, its tensors after the query block) of each key block [q0, q1) sees."""
-        ops, plan, score, row = self.ops, self.plan, self.score, []
-        for (k0, k1), tensors, kind, parts in _spans(plan, q0, q1, key_blocks, keys, values, self.merge):
-            kind, tensors = self.kind(kind, parts, q0, q1, k0, k1, q_block, tensors)
-            if score is None:
-                step = _step(ops, kind, self.compile_steps, cached=not plan.traced)
-            else:  # the caller's scores, told where the block is
-                step = _made(ops, kind, functools.partial(score, block=(q0, q1, k0, k1)), (q0, k0))
-            row.append((kind, step, tensors))
-        if row and self.compile_steps:  # the row's last step finishes it, compiled with it
-            kind, _, tensors = row[-1]
-            row[-1] = (kind, _step(ops, kind, True, finishing=True, cached=not plan.traced), tensors)
-        return row
+    def run(self, i: Any, j: Any, q: Tensor, k: Tensor, v: Tensor, masked: bool, state: tuple, last: bool):
+        """The sums after block (i, j) of q, k, v (state: the sums before, () for a row's first
+        block); finished, (out, lse), where last."""
+        ops, blocks, b = self.ops, self.blocks, self.blocks.bmap.block
+        if masked and self.score is None and self._on_diagonal(i, j, q, k):
+            kind, args = DIAGONAL, ()  # its mask is the causal one: made in the step
+        else:
+            seen = blocks.seen(i, j, q, k) if masked else None
+            hide = masked and not self.finite_values and blocks.hides_values(i, j, k)
+            if self.score is not None:
+                n_queries, n_keys = ops.shape(q)[-2], ops.shape(k)[-2]
+                s = self.score(q, k, block=(i * b, i * b + n_queries, j * b, j * b + n_keys))
+                found = _sums(ops, False, hide, False, s, v, seen, *state)
+                return finish(ops, found) if last else found
+            kind, args = (self.fused and not masked, hide, seen is None), (() if seen is None else (seen,))
+        kind = (kind, last)
+        step = _program(ops, kind) if self.compiled else functools.partial(_step, ops, kind)
+        return step(q, k, v, *args, *state)
 
-    def kind(self, kind: str, parts: tuple, q0, q1, k0, k1, q_block: Tensor, tensors: tuple) -> tuple:
-        """(the step's kind, its tensors (k, v[, the mask's])) of a block the plan keeps."""
-        if parts == ("causal",) and (q0, q1) == (k0, k1) and q1 - q0 > 1:  # on the diagonal
-            return DIAGONAL, tensors
-        if kind == FULL:
-            return (FULL_FUSED if self.fused else FULL), tensors
-        seen = self.plan.visibility(parts, q_block, tensors[0], q0, q1, k0, k1)
-        hidden = self.fused and self.finite_values and self.plan.hidden_by_bias(seen, q_block, tensors[0])
-        if hidden:
-            return PARTIAL_FUSED, tensors + hidden
-        kind = PARTIAL_FINITE if self.finite_values else PARTIAL
-        halves = self.plan.halves(q0, q1, k0, k1) if self.jitted_steps else None
-        return (kind if halves is None else (HALVES, halves, kind == PARTIAL)), tensors + (seen,)
+    def _on_diagonal(self, i: Any, j: Any, q: Tensor, k: Tensor) -> bool:
+        """Whether a partial block is a square on the causal diagonal that causality alone
+        masks (in Python's loop): its halves then leave out its hidden quarter."""
+        blocks, side = self.blocks, self.ops.shape(q)[-2]
+        if blocks.in_framework or i != j or blocks.bmap.parts[i, j] != ("causal",):
+            return False
+        return 1 < side == self.ops.shape(k)[-2]
 
 
-def _spans(plan: Plan, q0: int, q1: int, key_blocks: list, keys: Tensor, values: Tensor, merge: bool) -> list:
-    """The key blocks a query block [q0, q1) sees, as ((k0, k1), (keys, values), kind, parts):
-    with a mask function, where they are consecutive and at most ``SPAN_BLOCKS`` blocks wide,
-    and merge (the steps run eagerly, each op dispatched per block), one span of them all: one
-    step instead of several (a sliding window's band).  A compiler fuses each block's passes:
-    there, the blocks stay (benchmarks/RESULTS.md)."""
-    found = [(block, key_blocks[at], kind, parts) for at, block, kind, parts in plan.shown(q0, q1)]
-    if not merge or plan.masks.mask_mod is None or len(found) < 2:
-        return found
-    k0, k1 = found[0][0][0], found[-1][0][1]
-    if k1 - k0 > SPAN_BLOCKS * plan.block or k1 - k0 != sum(b - a for (a, b), *_ in found):
-        return found
-    for block, *_ in found:  # the blocks' kept mask values: the span's are evaluated whole
-        plan.mod_values.pop((q0, q1) + block, None)
-    kind, parts = plan.kind(q0, q1, k0, k1)
-    return [((k0, k1), (rows(keys, k0, k1), rows(values, k0, k1)), kind, parts)]
+DIAGONAL = "diagonal"  # a square block on the causal diagonal, in two halves (``_diagonal``)
 
 
-SPAN_BLOCKS = 4
+def _step(ops: Ops, kind: Any, q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor) -> tuple:
+    """The dot-product step of a kind of block, ((fused, hide, full) or DIAGONAL, last): q k^T,
+    then the sums, finished where last; tensors: the block's mask (not where full), then the
+    running sums (none for a row's first block)."""
+    (block, last), tensors = kind, tuple(tensors)
+    if block == DIAGONAL:
+        found = _diagonal(ops, q, k, v, *tensors)
+    else:
+        fused, hide, full = block
+        seen, state = (None, tensors) if full else (tensors[0], tensors[1:])
+        found = _sums(ops, fused, hide, True, heads.matmul_t(ops, q, k), v, seen, *state)
+    return finish(ops, found) if last else found
+
+
+def _diagonal(ops: Ops, q: Tensor, k: Tensor, v: Tensor, *state: Tensor) -> tuple:
+    """A square block on the causal diagonal, its queries in two halves: the first half sees
+    only the first half of the keys, so the top-right quarter, all hidden, is never computed.
+    Each half's last query sees all of its keys: no values to mask."""
+    side = ops.shape(q)[-2]
+    half, seen = side // 2, ops.causal_mask(side, side, k)
+    found = []
+    for r0, r1, width in ((0, half, half), (half, side, side)):
+        s = heads.matmul_t(ops, rows(q, r0, r1), rows(k, 0, width))
+        part = tuple(rows(x, r0, r1) for x in state) or None
+        found.append(block_sums(ops, s, rows(v, 0, width), seen[r0:r1, :width], part, owned=True))
+    return tuple(ops.concat(halves, -2) for halves in zip(*found))
+
+
+def _sums(ops: Ops, fused: bool, hide: bool, owned: bool, s: Tensor, v: Tensor, seen, *state) -> tuple:
+    """The running sums with a block's scores s and values v merged in: its hidden values 0
+    where hide; by the framework's fused softmax where fused (no mask)."""
+    if fused:
+        w, lse = ops.softmax_with_lse(s)
+        ones = ops.zeros(ops.shape(lse), lse) + 1.0
+        return merge_sums(ops, state or None, (lse, ones, heads.matmul(ops, w, v)))
+    v = visible_values(ops, v, seen) if hide else v
+    return block_sums(ops, s, v, seen, state or None, owned=owned)
+
+
+def _program(ops: Ops, kind: Any) -> Callable[..., tuple]:
+    """``_step`` of a kind compiled by the framework, made once per process."""
+    programs = _PROGRAMS.get(ops)
+    if programs is None:
+        programs = _PROGRAMS[ops] = {}
+    if kind not in programs:
+        programs[kind] = ops.compiled(functools.partial(_step, ops, kind))
+    return programs[kind]
+
+
+COMPILE_MIN_BLOCKS = 64  # blocks of the grid: below, a compiler's time for each new shape is not paid back
+# ops -> {a kind of step: it compiled}; keyed by the adapter itself, not by an id()
+_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _has_compiler(ops: Ops) -> bool:
     """Whether ``ops.compiled`` is a compiler's, not the default that returns a step as it is."""
-    return ops.compiled(_same_score) is not _same_score
-
-
-COMPILE_MIN_BLOCKS = 64  # below, a compiler's time for each new shape is not paid back
-# ops -> {(step kinds, tensor counts, resumed, last): compiled program of a row's steps,
-# ("rows", ((step kinds, tensor counts) of each row)): program of rows, ("step", kind, compiled,
-# finishing): a step}; keyed by the adapter itself, not by an id() another object may reuse
-_PROGRAMS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _programs(ops: Ops) -> dict:
-    found = _PROGRAMS.get(ops)
-    if found is None:
-        found = _PROGRAMS[ops] = {}
-    return found
-
-
-def _run_row(ops: Ops, q: Tensor, row: list, compiled: bool, finished: bool = False) -> Tuple[Tensor, Tensor]:
-    """(output, lse) of one query block over its row of key blocks (not empty): step by step,
-    or (compiled) in programs of the framework's compiler (``ops.compiled``: one dispatch each,
-    and the compiler schedules their blocks), each of as many steps as keep their blocks of
-    scores within the budget (XLA computes every block's scores before the softmax passes),
-    made once per process for each sequence of step kinds (a causal row: its full blocks, then
-    the diagonal).  finished: the row's last step finishes it (``_step``'s finishing)."""
-    if not compiled:
-        return _row(ops, [step for _, step, _ in row], _counts(row), False, not finished, q, *_flat(row))
-    length = _program_length(ops, q, row)
-    state: tuple = ()
-    for start in range(0, len(row), length):
-        part, last = row[start : start + length], start + length >= len(row)
-        signature = (tuple(kind for kind, _, _ in part), _counts(part), bool(state), last)
-        programs = _programs(ops)
-        program = programs.get(signature)
-        if program is None:
-            program = functools.partial(_row, ops, [step for _, step, _ in part], *signature[1:])
-            program = programs[signature] = ops.compiled(program)
-        state = program(q, *state, *_flat(part))
-    return state
-
-
-def _program_length(ops: Ops, q: Tensor, row: list) -> int:
-    """How many of a row's steps one compiled program takes: their blocks of scores within
-    ``PROGRAM_BUDGET_BYTES`` (XLA computes every block's scores before the softmax passes)."""
-    side = max(ops.shape(q)[-2], max(ops.shape(tensors[0])[-2] for _, _, tensors in row))
-    itemsize = 8 if ops.lowest(q) < -1e300 else 4  # q is widened: float32 or float64
-    scores = math.prod(ops.shape(q)[:-2]) * side * side * itemsize  # one block of scores
-    return max(PROGRAM_BUDGET_BYTES // scores, 1)
-
-
-# half the scores budget: a program's scores and their exponentials exist at once, and a first
-# call also compiles a program for each layout of its rows (benchmarks/RESULTS.md, 2026-12-05)
-PROGRAM_BUDGET_BYTES = SCORES_BUDGET_BYTES // 2
-ROWS_PER_PROGRAM = int(os.environ.get("MULTIATTN_ROWS_PER_PROGRAM", 8))
-
-
-def _run_rows(ops: Ops, rows_: list) -> list:
-    """[(output, lse)] of short rows [(query block, row)], each within one program's length,
-    as one compiled program: one dispatch for them all."""
-    if not rows_:
-        return []
-    layout = tuple((tuple(kind for kind, _, _ in row), _counts(row)) for _, row in rows_)
-    programs = _programs(ops)
-    program = programs.get(("rows", layout))
-    if program is None:
-        steps = [[step for _, step, _ in row] for _, row in rows_]
-        program = functools.partial(_rows, ops, steps, [counts for _, counts in layout])
-        program = programs["rows", layout] = ops.compiled(program)
-    flat = program(*(t for q, row in rows_ for t in (q, *_flat(row))))
-    results = [(flat[i], flat[i + 1]) for i in range(0, len(flat), 2)]
-    ops.settle(tuple(flat))
-    return results
-
-
-def _rows(ops: Ops, steps: list, counts: list, *tensors: Tensor) -> tuple:
-    """``_run_rows``'s program: each row's (output, lse), flat."""
-    found, at = [], 0
-    for row_steps, row_counts in zip(steps, counts):
-        size = 1 + sum(row_counts)
-        found.extend(_row(ops, row_steps, row_counts, False, True, *tensors[at : at + size]))
-        at += size
-    return tuple(found)
-
-
-def _counts(row: list) -> tuple:
-    return tuple(len(tensors) for _, _, tensors in row)
-
-
-def _flat(row: list) -> list:
-    return [tensor for _, _, tensors in row for tensor in tensors]
-
-
-def _row(
-    ops: Ops, steps: list, counts: tuple, resumed: bool, last: bool, q: Tensor, *tensors: Tensor
-) -> tuple:
-    """``_run_row``'s steps in turn, each taking its count of the flat tensors: from the state
-    (m, l, O) first among them where resumed; finished where last, else the state."""
-    state, at = (tuple(tensors[:3]), 3) if resumed else ((), 0)
-    for step, count in zip(steps, counts):
-        state = step(q, *tensors[at : at + count], *state)
-        at += count
-    return finish(ops, state) if last else state
-
-
-def _step(
-    ops: Ops, kind: Any, compiled: bool = False, finishing: bool = False, cached: bool = True
-) -> Callable[..., tuple]:
-    """The dot-product step of a kind, through the framework's compiler if compiled, made once
-    per process (made anew where not cached: ``Plan.traced``); finishing: a row's last,
-    returning (output, lse) (``_finish`` compiled with it)."""
-    key = ("step", kind, compiled, finishing)
-    found = _programs(ops).get(key) if cached else None
-    if found is None:
-        step = _made(ops, kind, functools.partial(heads.matmul_t, ops), owned=True)
-        step = functools.partial(_finishing, ops, step) if finishing else step
-        found = ops.compiled(step) if compiled else step
-        if cached:
-            _programs(ops)[key] = found
-    return found
-
-
-def _finishing(ops: Ops, step: Callable[..., tuple], *tensors: Tensor) -> Tuple[Tensor, Tensor]:
-    return finish(ops, step(*tensors))
-
-
-def _made(
-    ops: Ops, kind: Any, score: ScoreFn, start: Optional[tuple] = None, owned: bool = False
-) -> Callable[..., tuple]:
-    """The step of a kind over score, a function of tensors alone: step(q, k, v[, seen],
-    *state), state (m, l, O) from the blocks before, none for a row's first.  start: where the
-    block is (q0, k0), for a caller's scores on a block's parts (None: they do not depend on it);
-    owned: score's results are new arrays, which the step may overwrite (not a caller's)."""
-    at = (
-        functools.partial(_same_score, score)
-        if start is None
-        else functools.partial(_score_at, score, *start)
-    )
-    if kind == FULL:
-        return functools.partial(_full, ops, score, owned)
-    if kind == FULL_FUSED:
-        return functools.partial(_full_fused, ops, score)
-    if kind == PARTIAL_FUSED:
-        return functools.partial(_partial_fused, ops, score)
-    if kind in (PARTIAL, PARTIAL_FINITE):
-        return functools.partial(_partial, ops, score, kind == PARTIAL)
-    if kind == DIAGONAL:
-        return functools.partial(_diagonal, ops, at)
-    _, columns, mask_values = kind
-    return functools.partial(_halves, ops, at, columns, mask_values)
-
-
-def _full(ops, score, owned, q, k, v, *state):
-    return block_sums(ops, score(q, k), v, None, state or None, owned)
-
-
-def _full_fused(ops, score, q, k, v, *state):
-    w, lse = ops.softmax_with_lse(score(q, k))
-    return _merge_fused(ops, w, lse, v, state or None)
-
-
-def _partial_fused(ops, score, q, k, v, bias, column, row_bias, *state):  # ``Plan.hidden_by_bias``
-    w, lse = ops.softmax_with_lse(score(q, k) + bias, column)
-    return _merge_fused(ops, w, lse + row_bias, v, state or None)
-
-
-def _partial(ops, score, mask_values, q, k, v, seen, *state):  # hidden values: 0, not 0 * NaN
-    v = visible_values(ops, v, seen) if mask_values else v
-    return block_sums(ops, score(q, k), v, seen, state or None)
+    return ops.compiled(_python_loop) is not _python_loop
 
 
 def known_finite(ops: Ops, x: Tensor) -> bool:
     """Whether x, read on the host, holds finite numbers only (False where it cannot be read)."""
     host = ops.host_values(x)
     return host is not None and bool(np.isfinite(host).all())
-
-
-def _diagonal(ops: Ops, score_at: Callable[..., ScoreFn], q: Tensor, k: Tensor, v: Tensor, *state) -> tuple:
-    """A square block on the causal diagonal, its queries in two halves: the first half sees
-    only the first half of the keys, so the top-right quarter, all hidden, is never computed.
-    Each half's last query sees all of its keys: no values to mask.  score_at(r0, r1, c0, c1):
-    the scores of the block's queries r0 .. r1 - 1 against its keys c0 .. c1 - 1."""
-    side = ops.shape(q)[-2]
-    half = side // 2
-    seen = ops.causal_mask(side, side, k)
-    found = []
-    for r0, r1, width in ((0, half, half), (half, side, side)):
-        s = score_at(r0, r1, 0, width)(rows(q, r0, r1), rows(k, 0, width))
-        part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(block_sums(ops, s, rows(v, 0, width), seen[r0:r1, :width], part))
-    return tuple(ops.concat(halves, -2) for halves in zip(*found))
-
-
-def _halves(ops: Ops, score_at, columns: tuple, mask_values: bool, q, k, v, seen, *state) -> tuple:
-    """A partial square block whose queries' halves each need only some of its keys (a quarter
-    off the diagonal hidden entirely, ``Plan.halves``): each half against its columns, masked;
-    the hidden quarter is never computed."""
-    side = ops.shape(q)[-2]
-    found = []
-    for (r0, r1), (c0, c1) in zip(((0, side // 2), (side // 2, side)), columns):
-        s = score_at(r0, r1, c0, c1)(rows(q, r0, r1), rows(k, c0, c1))
-        part_seen, part_v = _block_of(seen, r0, r1, c0, c1), rows(v, c0, c1)
-        part_v = visible_values(ops, part_v, part_seen) if mask_values else part_v
-        part = tuple(rows(x, r0, r1) for x in state) or None
-        found.append(block_sums(ops, s, part_v, part_seen, part))
-    return tuple(ops.concat(halves, -2) for halves in zip(*found))
-
-
-def _score_at(score: ScoreFn, q0: int, k0: int, r0: int, r1: int, c0: int, c1: int) -> ScoreFn:
-    """A caller's scores of the part (queries r0 .. r1 - 1, keys c0 .. c1 - 1) of the block at
-    (q0, k0)."""
-    return functools.partial(score, block=(q0 + r0, q0 + r1, k0 + c0, k0 + c1))
-
-
-def _same_score(score: ScoreFn, *where: int) -> ScoreFn:
-    """score_at of ``_diagonal`` where the scores do not depend on where the block is."""
-    return score
-
-
-def _merge_fused(ops: Ops, w: Tensor, lse: Tensor, v: Tensor, state: tuple = None) -> tuple:
-    """A block's own softmax weights W and lse (a fused softmax's) into the running sums: the
-    block's sums are (lse, 1, W V)."""
-    return merge_sums(ops, state, (lse, ops.zeros(ops.shape(lse), lse) + 1.0, heads.matmul(ops, w, v)))
 
 
 def bounded_scores(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
@@ -687,72 +610,68 @@ def bounded_scores(ops: Ops, queries: Tensor, keys: Tensor) -> bool:
     return top <= SCORES_BOUND  # False where top is NaN or inf
 
 
-HIDDEN = -1e30  # a hidden score where the fused softmax takes them finite: exp(HIDDEN - s) = 0
-SCORES_BOUND = 1e20  # |scores| below it: s + HIDDEN stays far below every visible score
+SCORES_BOUND = 1e20  # |scores| below it: a fused softmax's exp(s - max) neither overflows nor is NaN
 
 
 # -- backward --------------------------------------------------------------------------------------
 
 
-def attention_in_blocks_backward(
-    ops: Ops,
-    queries: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    masks: Masks,
-    out: Tensor,
-    lse: Tensor,
-    d_out: Tensor,
-    d_lse: Optional[Tensor] = None,
-    *,
-    block_size: int,
-    scale: float,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    """(dQ, dK, dV) of ``attention_in_blocks`` (dot-product scores) from its saved output and
-    lse, block by block: no block of scores outlives its use.  d_lse: the cotangent of lse,
-    None where lse was not used."""
+def backward(
+    ops: Ops, bmap: BlockMap, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, out: Tensor,
+    lse: Tensor, d_out: Tensor, d_lse: Optional[Tensor] = None, *, scale: float, in_framework: bool = False,
+) -> Tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """(dQ, dK, dV) of ``forward`` (dot-product scores) from its saved output and lse, for each
+    key block over the query blocks that visit it, each block's P and dS recomputed (no block
+    of scores outlives its use): dK and dV summed there, dQ added to each query block's.
+    d_lse: the cotangent of lse, None where lse was not used."""
     likes = (queries, keys, values)
     query_rows, key_rows = backward_rows(ops, queries, keys, values, out, lse, d_out, d_lse, scale)
-    plan = Plan(ops, masks, ops.shape(queries)[-2], ops.shape(keys)[-2], block_size, like=query_rows[0])
     kv_heads = ops.shape(keys)[1] if len(ops.shape(keys)) == 4 else None
-    query_blocks = list(zip(*(plan.split(x, plan.query_blocks) for x in query_rows)))
-    d_queries: List[Optional[Tensor]] = [None] * len(query_blocks)
-    d_keys, d_values = [], []
-    key_blocks = zip(*(plan.split(x, plan.key_blocks) for x in key_rows))
-    for (k0, k1), (k_block, k_finite, v_block) in zip(plan.key_blocks, key_blocks):
-        dk = dv = None
-        for i, ((q0, q1), (q_block, q_scaled, do_block, lse_block, dot_block)) in enumerate(
-            zip(plan.query_blocks, query_blocks)
-        ):
-            kind, parts = plan.kind(q0, q1, k0, k1)
-            if kind == SKIP:
-                continue
-            s, v_seen, seen = heads.matmul_t(ops, q_scaled, k_block), v_block, None
-            if kind == PARTIAL:
-                seen = plan.visibility(parts, q_block, k_block, q0, q1, k0, k1)
-                s, v_seen = ops.where(seen, s, NEG_INF), plan.visible_values(parts, v_block, seen, q1, k1)
-            p, ds = score_gradients(ops, s, seen, do_block, v_seen, lse_block, dot_block)
-            dq_part = heads.matmul(ops, ds, k_finite)
-            dk_part, dv_part = (
-                heads.summed_tn(ops, ds, q_block, kv_heads),
-                heads.summed_tn(ops, p, do_block, kv_heads),
-            )
-            dv = dv_part if dv is None else dv + dv_part
-            dk = dk_part if dk is None else dk + dk_part
-            d_queries[i] = dq_part if d_queries[i] is None else d_queries[i] + dq_part
-        if dk is None:  # no query sees this key block
-            dk, dv = ops.zeros(ops.shape(k_block), k_block), ops.zeros(ops.shape(v_block), v_block)
-        ops.settle((dk, dv, *(dq for dq in d_queries if dq is not None)))
-        d_keys.append(dk * scale)
-        d_values.append(dv)
-    d_queries = [
-        ops.zeros(ops.shape(q_block), q_block) if dq is None else dq * scale
-        for dq, (q_block, *_) in zip(d_queries, query_blocks)
-    ]
-    joined = [
-        (parts[0] if len(parts) == 1 else ops.concat(parts, -2)) for parts in (d_queries, d_keys, d_values)
-    ]
-    return tuple(ops.cast(g, like) for g, like in zip(joined, likes))
+    blocks = _Blocks(ops, bmap, masks, query_rows[0], in_framework)
+    q_all, qs_all, do_all, lse_all, dot_all = (blocks.q(x) for x in query_rows)
+    k_all, kf_all, v_all = (blocks.k(x) for x in key_rows)
+    n_q, n_k = len(bmap.kv_count), len(bmap.q_count)
+
+    def key_block(j: Any, grads: tuple) -> tuple:
+        k, k_finite, v = blocks.at(k_all, j), blocks.at(kf_all, j), blocks.at(v_all, j)
+
+        def query_block(table: Any, masked: bool) -> Callable[[Any, tuple], tuple]:
+            def visit(n: Any, acc: tuple) -> tuple:
+                d_q, d_k, d_v = acc
+                i = table[j][n]
+                q, q_scaled, do, lse_, dot = (
+                    blocks.at(x, i) for x in (q_all, qs_all, do_all, lse_all, dot_all)
+                )
+                s, v_seen, seen = heads.matmul_t(ops, q_scaled, k), v, None
+                if masked:
+                    seen = blocks.seen(i, j, q, k)
+                    s = ops.where(seen, s, NEG_INF)
+                    v_seen = visible_values(ops, v, seen) if blocks.hides_values(i, j, k) else v
+                p, ds = score_gradients(ops, s, seen, do, v_seen, lse_, dot)
+                d_q = blocks.add(d_q, i, heads.matmul(ops, ds, k_finite))
+                return (
+                    d_q,
+                    d_k + heads.summed_tn(ops, ds, q, kv_heads),
+                    d_v + heads.summed_tn(ops, p, do, kv_heads),
+                )
+
+            return visit
+
+        d_q, d_k, d_v = grads
+        acc = (d_q, ops.zeros(ops.shape(k), k), ops.zeros(ops.shape(v), v))
+        acc = blocks.loop(blocks.q_count[j], query_block(blocks.q_index, True), acc)
+        acc = blocks.loop(blocks.full_q_count[j], query_block(blocks.full_q_index, False), acc)
+        blocks.settle(acc)  # lazy frameworks: else every block's dS would stay alive
+        return acc[0], blocks.add(d_k, j, acc[1]), blocks.add(d_v, j, acc[2])
+
+    grads = (blocks.buffer(n_q, q_all), blocks.buffer(n_k, k_all), blocks.buffer(n_k, v_all))
+    d_q, d_k, d_v = blocks.loop(n_k, key_block, grads)
+    found = (
+        blocks.joined(d_q, query_rows[0], bmap.n_queries) * scale,
+        blocks.joined(d_k, key_rows[0], bmap.n_keys) * scale,
+        blocks.joined(d_v, key_rows[2], bmap.n_keys),
+    )
+    return tuple(ops.cast(g, like) for g, like in zip(found, likes))
 
 
 def backward_rows(
@@ -785,18 +704,48 @@ def score_gradients(
 def attention(
     ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *, scale: float, block_size: int
 ) -> Tuple[Tensor, Tensor]:
-    """(output, lse (B, [H,] Q)) of dot-product attention in blocks, differentiated by
-    ``attention_in_blocks_backward``: the gradients, too, in memory linear in the length."""
+    """(output, lse (B, [H,] Q)) of dot-product attention in blocks, forward and backward over
+    one block map, in the framework's loop where it has one and the call is traced
+    (``framework_loop``), else in Python's: the gradients, too, in memory linear in the length."""
+    in_framework = framework_loop(ops, queries, masks)
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    _check_known(block_size, n_queries, n_keys)
+    made = masks.block_mask
+    like = None if in_framework else queries  # traced: a mask function's blocks are not evaluated
+    if made is not None and not ops.unrolls_loops(queries):  # its maps kept (not where traced by torch)
+        bmap = made.block_map(block_size, like)
+    else:
+        bmap = BlockMap(ops, masks, n_queries, n_keys, block_size, like=like, padded=in_framework)
 
-    def forward(q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tuple[Tensor, Tensor]:
-        return attention_in_blocks(ops, q, k, v, masks, block_size=block_size, scale=scale)
+    def forward_(q: Tensor, k: Tensor, v: Tensor, masks: Masks) -> Tuple[Tensor, Tensor]:
+        return forward(ops, bmap, q, k, v, masks, scale=scale, in_framework=in_framework)
 
-    def backward(q, k, v, masks, out, lse, d_out, d_lse):
-        return attention_in_blocks_backward(
-            ops, q, k, v, masks, out, lse, d_out, d_lse, block_size=block_size, scale=scale
+    def backward_(q, k, v, masks, out, lse, d_out, d_lse):
+        return backward(
+            ops, bmap, q, k, v, masks, out, lse, d_out, d_lse, scale=scale, in_framework=in_framework
         )
 
-    return differentiated(ops, forward, backward, queries, keys, values, masks)
+    return differentiated(ops, forward_, backward_, queries, keys, values, masks)
+
+
+def attention_in_blocks(
+    ops: Ops, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, *, block_size: int,
+    scale: float = 1.0, score: Optional[ScoreFn] = None,
+) -> Tuple[Tensor, Tensor]:  # fmt: skip
+    """(output, lse (B, [H,] Q, 1)) of ``forward`` in Python's loop, differentiated by the
+    framework itself (a caller's score function: additive attention, ``score_mod``)."""
+    n_queries, n_keys = ops.shape(queries)[-2], ops.shape(keys)[-2]
+    _check_known(block_size, n_queries, n_keys)
+    bmap = BlockMap(ops, masks, n_queries, n_keys, block_size, like=queries)
+    return forward(ops, bmap, queries, keys, values, masks, scale=scale, score=score)
+
+
+def _check_known(block_size: int, n_queries: Any, n_keys: Any) -> None:
+    if n_queries is None or n_keys is None:
+        raise ValueError(
+            f"block_size={block_size} needs the numbers of queries and keys known when the call is "
+            f"traced, got {n_queries} queries and {n_keys} keys (None: unknown)"
+        )
 
 
 def differentiated(

@@ -216,8 +216,8 @@ Block = Tuple[int, int, int, int]  # q0, q1, k0, k1: queries [q0, q1) and keys [
 
 
 class TracedBlock(tuple):
-    """A block (q0, q1, k0, k1) whose starts are scalar tensors of a compiled loop
-    (``block_loop``): its sizes (q1 - q0, k1 - k0) are known, its place only when it runs."""
+    """A block (q0, q1, k0, k1) whose starts are scalar tensors of a compiled loop (``blockwise``
+    in the framework's loop): its sizes (q1 - q0, k1 - k0) are known, its place only when it runs."""
 
     def __new__(cls, q0: Any, k0: Any, sizes: Tuple[int, int]) -> "TracedBlock":
         block = super().__new__(cls, (q0, q0 + sizes[0], k0, k0 + sizes[1]))

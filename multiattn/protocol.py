@@ -248,7 +248,7 @@ class Primitives:
             return self.matmul_t(a * scale, b)  # scale the smaller operand
         return self.matmul_t(a, b) * scale
 
-    # -- the loop over the block map (``block_loop``): the framework's own where it compiles --
+    # -- the loop over the block map (``blockwise``): the framework's own where it compiles --
 
     # whether ``loop``, ``map_rows`` and ``rows_at`` are the framework's loop primitives, which
     # a compiler sees as one loop (compiled once, whatever its trip count), taking tensors as
@@ -273,7 +273,8 @@ class Primitives:
         """x's size entries from start along axis (start: an int, or a scalar tensor where
         ``loop_primitives``); the default slices."""
         axis = axis % len(self.shape(x))
-        return x[(slice(None),) * axis + (slice(start, start + size),)]
+        stop = start + size if not isinstance(start, int) else min(start + size, self.shape(x)[axis])
+        return x[(slice(None),) * axis + (slice(start, stop), ...)]
 
     def check_tensors(self, **tensors: Tensor) -> None:
         """TypeError unless every non-None argument is a tensor of this backend; by name
@@ -316,11 +317,10 @@ class Primitives:
         The default runs forward as it is (no autodiff, or the framework's own differentiation)."""
         return forward(*tensors, *constants)
 
-    # softmax_with_lse(x, column=None) -> (softmax(x), log sum exp(x)) along the last axis,
-    # keepdims; x finite (hidden scores: blockwise.HIDDEN), column (x's shape less its last
-    # axis, ints) a column each row sees (None: column 0), for a framework whose fused softmax
-    # gives the lse from it.  blockwise takes it where the scores are bounded and the backend's
-    # tuning says it pays (``fused_softmax``).  Its default (``adapter.Ops``): the state's lse.
+    # softmax_with_lse(x) -> (softmax(x), log sum exp(x)) along the last axis, keepdims; x
+    # finite: a full block's scores, which blockwise takes where they are bounded and the
+    # backend's tuning says it pays (``fused_softmax``).  Its default (``adapter.Ops``): the
+    # state's lse.
 
     def compiled(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """step (a function of tensors alone, called many times with a few shapes) through the

@@ -1,14 +1,14 @@
 """How a call without weights runs where its scores would not fit the budget (or blocks are
-asked for): a framework's kernel that never holds the scores whole (``specialise``), one loop
-a compiler sees over the block map (``block_loop``), or the host's plan of blocks
-(``blockwise``).  None where the scores fit: the core's formula holds them whole."""
+asked for): a framework's kernel that never holds the scores whole (``specialise``), else the
+loop over the block map (``blockwise``).  None where the scores fit: the core's formula holds
+them whole."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Optional
 
-from . import block_loop, blockwise, mods, specialise, state
+from . import blockwise, mods, specialise, state
 from .masks import Masks
 
 Tensor = Any
@@ -41,12 +41,16 @@ def dot_product_in_blocks(
         done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
         if done is not None:
             return done[0], None
-    loop = block_loop if block_loop.usable(ops, queries, masks) else blockwise  # traced: one loop
-    if loop is block_loop and not forced:
-        block_size = min(block_size, block_loop.MAX_BLOCK)
+    if not forced and blockwise.framework_loop(ops, queries, masks):
+        block_size = min(block_size, FRAMEWORK_LOOP_MAX_BLOCK)
     elif not forced and ops.unrolls_loops(queries):  # the same program at every length
         block_size = max(block_size, -(-ops.shape(queries)[-2] // UNROLLED_QUERY_BLOCKS))
-    return loop.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+    return blockwise.attention(ops, queries, keys, values, masks, scale=scale, block_size=block_size)
+
+
+# the automatic block side at most in the framework's loop: past it a block's passes, unfused in
+# tensorflow's loop, cost more than the fewer steps save (benchmarks/RESULTS.md, 2026-12-05)
+FRAMEWORK_LOOP_MAX_BLOCK = 1024
 
 
 # where a compiler unrolls the host's plan, the query blocks it sees: compiling then takes as

@@ -152,4 +152,4 @@ def finite_factor(ops: Ops, x: Tensor) -> Tensor:
 def empty(ops: Ops, rows: tuple, width: int, like: Tensor) -> Sums:
     """The sums of no keys for rows (..., Q)."""
     zeros = ops.zeros(tuple(rows) + (1,), like)
-    return ops.log(zeros), zeros, ops.zeros(tuple(rows) + (width,), like)
+    return zeros + NEG_INF, zeros, ops.zeros(tuple(rows) + (width,), like)

@@ -20,9 +20,6 @@ class Tuning:
     # each block step has a high fixed cost (a compiled call's dispatch, a namespace's per-call
     # checks): a mask function favours fewer, larger blocks (``MaskFunction.block_side``)
     costly_steps: bool = False
-    # ``Ops.compiled`` takes a row of block steps as programs of several steps each, not each
-    # step alone
-    compiled_rows: bool = False
     # below this many scores every offer of ``dot_product_attend`` and ``masked_softmax``
     # declines, so ``specialise.run`` does not ask them (0: always ask)
     specialised_from: int = 0
@@ -42,11 +39,9 @@ TUNING: Dict[str, Tuning] = {
     # the w_v product stay in it; specialised_from: the least of its offers' thresholds, set by
     # ``backends.torch`` (``least_threshold``)
     "torch": Tuning(feature_block_elements=l2_cache_bytes() // 4),
-    # fewer, larger fused blocks; each step a compiled call's dispatch; a few blocks per
-    # dispatch, scheduled by XLA; larger additive blocks (each eager op's high fixed cost)
-    "tensorflow": Tuning(
-        block_area=16, costly_steps=True, compiled_rows=True, feature_block_elements=1 << 22
-    ),
+    # fewer, larger fused blocks; each step a compiled call's dispatch; larger additive blocks
+    # (each eager op's high fixed cost)
+    "tensorflow": Tuning(block_area=16, costly_steps=True, feature_block_elements=1 << 22),
     # fewer, larger fused blocks; a jitted call's dispatch; XLA fuses the additive reduction
     # best over the hiddens
     "jax": Tuning(block_area=4, costly_steps=True, hiddens_innermost=True),

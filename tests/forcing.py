@@ -27,13 +27,13 @@ def force_blocks(monkeypatch, block_size=2):
     from multiattn import blockwise, specialise
 
     calls = []
-    real = blockwise.attention_in_blocks
+    real = blockwise.forward
 
-    def recorded(ops, queries, keys, values, masks, **kwargs):
-        calls.append((kwargs["block_size"], ops.shape(queries)[-2], ops.shape(keys)[-2]))
-        return real(ops, queries, keys, values, masks, **kwargs)
+    def recorded(ops, bmap, queries, keys, values, masks, **kwargs):
+        calls.append((bmap.block, ops.shape(queries)[-2], ops.shape(keys)[-2]))
+        return real(ops, bmap, queries, keys, values, masks, **kwargs)
 
     monkeypatch.setattr(blockwise, "automatic_block_size", lambda ops, q, k, *args, **options: block_size)
-    monkeypatch.setattr(blockwise, "attention_in_blocks", recorded)
+    monkeypatch.setattr(blockwise, "forward", recorded)
     monkeypatch.setitem(specialise._ASK, "attend_past_memory", ())
     return calls

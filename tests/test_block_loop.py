@@ -1,4 +1,4 @@
-"""The one loop over the block map (``multiattn.block_loop``): under jax.jit and tf.function,
+"""The one loop over the block map (``multiattn.blockwise``): under jax.jit and tf.function,
 several masks at once (lengths, a boolean mask, causality, mask functions), 4-D with grouped
 heads, forward and through gradients, against the float64 loops of tests/reference.py; the
 compiled program does not grow with the length (the loop is the framework's, not unrolled);
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import multiattn
-from multiattn import block_loop, mods
+from multiattn import blockwise, mods
 from multiattn.masks import Masks
 
 from . import reference as ref
@@ -141,5 +141,5 @@ def test_eager_backends_run_the_same_loop_as_a_python_loop(case):
     kw = dict(CASES[case])
     masks = Masks(kw["valid_lens"], kw.get("attention_mask"), kw.get("causal", False), kw.get("mask_mod"))
     scale = kw.get("scale", D**-0.5)
-    out, _ = block_loop.attention(backend.ops, q, k, v, masks, scale=scale, block_size=BLOCK)
+    out, _ = blockwise.attention(backend.ops, q, k, v, masks, scale=scale, block_size=BLOCK)
     np.testing.assert_allclose(out, _reference(case, q, k, v), atol=1e-12)

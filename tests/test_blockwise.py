@@ -130,15 +130,12 @@ def test_nan_in_what_the_masks_hide_never_reaches_the_output(bk):
     assert_close(bk, out, want, "float32")
 
 
-@pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_scores_far_apart_in_partial_blocks_match_the_reference(bk, dtype, span_blocks, monkeypatch):
+def test_scores_far_apart_in_partial_blocks_match_the_reference(bk, dtype):
     """Rows whose first visible score is 800 below another (its softmax weight underflows,
     in float64 too: a fused softmax's lse must not be read from it), with rows that see
-    nothing; a row's blocks merged one by one, or as one span.  The scores are small
-    integers, exact in every dtype."""
+    nothing.  The scores are small integers, exact in every dtype."""
     supported(bk, dtype)
-    monkeypatch.setattr(blockwise, "SPAN_BLOCKS", span_blocks)
     rng = np.random.default_rng(6)
     q = np.ones((2, 12, 1))
     k = np.where(np.arange(12) % 3 == 0, -800.0, np.arange(12) % 3)[None, :, None].repeat(2, 0)
@@ -333,20 +330,12 @@ def test_block_size_with_weights_is_an_error(bk):
         multiattn.dot_product_attention(q, q, q, return_lse=1)
 
 
-@pytest.mark.parametrize("programs", ["steps", "rows", "a row a program", "rows in parts"])
 @pytest.mark.parametrize("kind", ["none", "2d+bool+causal"])
-def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkeypatch):
+def test_the_compiled_block_steps_match_the_reference(bk, kind, monkeypatch):
     """Where a framework compiles the block steps (``Ops.compiled``: tensorflow, jax), forced
-    here at a small size: each step alone; rows of them as programs (``tuning.Tuning.compiled_rows``),
-    several rows to a program (here three: four rows make two programs) or one; or a row in
-    programs of one step each, the state passed between them (a program's budget holds one
-    block); with gradients."""
+    here at a small size, with gradients."""
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_PROGRAMS", weakref.WeakKeyDictionary())
-    monkeypatch.setattr(blockwise, "ROWS_PER_PROGRAM", 1 if programs == "a row a program" else 3)
-    monkeypatch.setattr(tuning.of(bk.module.ops), "compiled_rows", programs != "steps")
-    if programs == "rows in parts":
-        monkeypatch.setattr(blockwise, "PROGRAM_BUDGET_BYTES", 1)
     rng = np.random.default_rng(6)
     B, Q, K = 2, 10, 7
     q, k, v = rng.normal(size=(B, Q, 4)), rng.normal(size=(B, K, 4)), rng.normal(size=(B, K, 3))
@@ -362,11 +351,6 @@ def test_the_compiled_block_steps_match_the_reference(bk, kind, programs, monkey
         ref.dot_product_attention(q, k, v, lens, attention_mask=mask, causal=causal)[0],
         "float32",
     )
-    grouped = [len(key[1]) for key in blockwise._PROGRAMS.get(bk.module.ops, {}) if key[0] == "rows"]
-    if programs == "rows" and kind == "none":
-        assert sorted(grouped) == [1, 3], "four rows of three blocks: three in one program, then one"
-    if programs == "a row a program":
-        assert set(grouped) <= {1}
     if bk.module.vjp is not None:
         from .test_gradients import assert_gradients_close
 

@@ -254,14 +254,12 @@ def _score_areas(bk, monkeypatch):
     return areas
 
 
-def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypatch):
-    """Where each block step is a compiled program (jax), a window's partial blocks run as
-    two halves of their queries, each against the keys it may see (``Plan.halves``)."""
+def test_a_window_in_compiled_steps_matches_the_reference(bk, monkeypatch):
+    """Where each block step is a compiled program (jax, tensorflow), forced at a small size:
+    a window's blocks, partial and full, match the reference."""
     areas = _score_areas(bk, monkeypatch)
     monkeypatch.setattr(blockwise, "COMPILE_MIN_BLOCKS", 1)
     monkeypatch.setattr(blockwise, "_has_compiler", lambda ops: True)
-    monkeypatch.setattr(tuning.of(bk.module.ops), "compiled_rows", False)
-    monkeypatch.setattr(tuning.of(bk.module.ops), "fused_softmax", False)  # mxnet's fused path aside
     rng = np.random.default_rng(2)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")
     out = multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)
@@ -269,8 +267,7 @@ def test_a_window_in_compiled_steps_leaves_out_the_hidden_quarters(bk, monkeypat
     want = ref.dot_product_attention(x, x, x, attention_mask=ref.function_mask((1, 24, 24), _window(4)))[0]
     assert_close(bk, out, want, "float32")
     if bk.name not in ("jax", "tensorflow"):  # their steps are traced once: the areas once each
-        # the first row's diagonal block, then per row the band's two triangles, each 2x2 + 2x4
-        assert areas == [4, 8] + [8, 4, 4, 8] * 5
+        assert areas == [16] * 11, "the 6 blocks on the diagonal and the 5 before them"
 
 
 def test_key_ranges_hold_every_key_a_block_of_queries_sees():
@@ -299,17 +296,12 @@ def test_key_ranges_hold_every_key_a_block_of_queries_sees():
     assert mods.document(IDS).key_range(0, 3) is None
 
 
-@pytest.mark.parametrize("span_blocks", [1, blockwise.SPAN_BLOCKS])
-def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch, span_blocks):
+def test_a_sliding_window_computes_only_the_blocks_it_shows(bk, monkeypatch):
     areas = _score_areas(bk, monkeypatch)
-    monkeypatch.setattr(blockwise, "SPAN_BLOCKS", span_blocks)
     rng = np.random.default_rng(1)
     q = bk.tensor(rng.normal(size=(1, 24, 4)), "float32")  # 36 blocks: not compiled
     out = multiattn.dot_product_attention(q, q, q, mask_mod=mods.sliding_window(4), block_size=4)
-    if span_blocks == 1:
-        assert areas == [16] * (6 + 5), "the 6 blocks on the diagonal and the 5 before them"
-    else:  # a row's two blocks as one span of 4 x 8 scores
-        assert areas == [16] + [32] * 5, "the first diagonal block, then each row's span of two blocks"
+    assert areas == [16] * (6 + 5), "the 6 blocks on the diagonal and the 5 before them"
     x = bk.numpy(q).astype(np.float64)
     want = ref.dot_product_attention(x, x, x, attention_mask=ref.function_mask((1, 24, 24), _window(4)))[0]
     assert_close(bk, out, want, "float32")

@@ -331,8 +331,33 @@ def test_the_partial_state_and_its_merge_are_written_once():
     assert merges == [], f"an lse merge outside multiattn.state: {merges}"
 
 
+def test_one_block_loop_forward_and_backward():
+    """The block loop is written once: one forward and one backward (``blockwise.forward``,
+    ``blockwise.backward``) run every call in blocks, in the framework's loop primitives or in
+    Python's; no other function of the package loops over blocks (``.loop(``) or recomputes a
+    block's gradients (``score_gradients``)."""
+    loops, gradients = [], []
+    for name, path in _modules().items():
+        if f"{NAME}.backends." in name:
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef):
+                continue
+            for inner in ast.walk(node):
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Attribute):
+                    if inner.func.attr == "loop":
+                        loops.append(f"{name}.{node.name}")
+                if isinstance(inner, ast.Call) and isinstance(inner.func, ast.Name):
+                    if inner.func.id == "score_gradients":
+                        gradients.append(f"{name}.{node.name}")
+    assert sorted(set(loops)) == [f"{NAME}.blockwise.backward", f"{NAME}.blockwise.forward"], loops
+    assert gradients == [f"{NAME}.blockwise.backward"], gradients
+
+
 def test_one_custom_gradient_wrapper_and_one_mask_of_a_block():
-    """Both block loops are differentiated through one wrapper (``blockwise.differentiated``,
+    """The block loop is differentiated through one wrapper (``blockwise.differentiated``,
     the package's one call of ``ops.custom_gradient`` for a loop; the other is the scores'
     product's finite-factor rule, ``state.scores``), and the masks of a block, of the whole
     scores, of a compiled loop's padded block and of a cache's splits are made by

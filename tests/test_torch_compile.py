@@ -206,7 +206,7 @@ def test_a_block_mask_in_blocks_of_4_compiles_as_one_graph_once():
     args = [_qkv(seed, BLOCKED) for seed in (1, 2)]
     for got, call in zip(compiled_twice(fn, *args), args):
         _close(got, _reference(*call, mask_fn=in_window))
-    assert not block_mask.shown  # else a later compiled call is guarded on it
+    assert not block_mask.maps  # else a later compiled call is guarded on it
 
 
 def test_a_call_past_the_scores_budget_compiles_as_one_graph_once(monkeypatch):
@@ -216,12 +216,8 @@ def test_a_call_past_the_scores_budget_compiles_as_one_graph_once(monkeypatch):
     for name, value in (("SCORES_BUDGET_BYTES", 64), ("MIN_BLOCK", 4), ("MAX_BLOCK", 4)):
         monkeypatch.setattr(blockwise, name, value)
     sides = []
-    original = blockwise.attention_in_blocks
-    monkeypatch.setattr(
-        blockwise,
-        "attention_in_blocks",
-        lambda *a, **kw: sides.append(kw["block_size"]) or original(*a, **kw),
-    )
+    original = blockwise.forward
+    monkeypatch.setattr(blockwise, "forward", lambda *a, **kw: sides.append(a[1].block) or original(*a, **kw))
 
     def fn(q, k, v, lens):
         return multiattn.dot_product_attention(q, k, v, lens, causal=True)
@@ -229,7 +225,7 @@ def test_a_call_past_the_scores_budget_compiles_as_one_graph_once(monkeypatch):
     args = [(*_qkv(seed, BLOCKED), _lens(seed, BLOCKED)) for seed in (1, 2)]
     fn(*args[0])
     assert sides == [4]  # eagerly too, the call runs in blocks of 4
-    monkeypatch.setattr(blockwise, "attention_in_blocks", original)
+    monkeypatch.setattr(blockwise, "forward", original)
     for got, (q, k, v, lens) in zip(compiled_twice(fn, *args), args):
         _close(got, _reference(q, k, v, valid_lens=lens.numpy(), causal=True))
 

@@ -90,14 +90,11 @@ class MxnetOps(Ops):
             return npx.softmax(x.astype("float32"), axis=-1).astype("float16")
         return npx.softmax(x, axis=-1)
 
-    def softmax_with_lse(self, x, column=None):
-        # lse = x_j - log w_j at a column j each row sees, or x_j - log_softmax(x)_j where w_j
-        # underflows (its log-softmax is a few ulp of lse less exact than log w_j)
+    def softmax_with_lse(self, x):
+        # lse = x_0 - log w_0, or x_0 - log_softmax(x)_0 where w_0 underflows (its log-softmax
+        # is a few ulp of lse less exact than log w_0)
         w, log_w = npx.softmax(x, axis=-1), npx.log_softmax(x, axis=-1)
-        if column is None:
-            x_j, w_j, log_w_j = x[..., :1], w[..., :1], log_w[..., :1]
-        else:
-            x_j, w_j, log_w_j = (npx.pick(t, column, axis=-1, keepdims=True) for t in (x, w, log_w))
+        x_j, w_j, log_w_j = x[..., :1], w[..., :1], log_w[..., :1]
         normal = w_j > float(onp.finfo(w_j.dtype).tiny)
         return w, x_j - np.where(normal, np.log(np.where(normal, w_j, np.ones_like(w_j))), log_w_j)
 

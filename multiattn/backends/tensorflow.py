@@ -199,6 +199,14 @@ class TensorFlowOps(Ops):
         rank = len(x.shape)
         return tf.transpose(x, [rank - 3] + list(range(rank - 3)) + [rank - 2, rank - 1])
 
+    def write_rows(self, x, split, start, rows):
+        if isinstance(split, int):
+            return super().write_rows(x, split, start, rows)
+        row, n = tf.gather(x, split), rows.shape[-2]  # traced: one update, the storage's shape kept
+        if not (isinstance(start, int) and start == 0 and n == row.shape[-2]):
+            rows = tf.concat([row[..., :start, :], rows, row[..., start + n :, :]], -2)
+        return tf.tensor_scatter_nd_update(x, tf.reshape(tf.cast(split, tf.int32), (1, 1)), rows[None])
+
     def rows_at(self, x, start, size, axis=-2):
         rank = len(x.shape)
         axis %= rank
