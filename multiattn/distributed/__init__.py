@@ -107,6 +107,11 @@ class Ring:
     (query shard, key shard) blocks some key is visible in, and the masks at those positions."""
 
     def __init__(self, ops, layout, sizes, batch, causal, valid_lens, mask_mod, score_mod, scale) -> None:
+        if len(sizes) < 2:
+            raise ValueError(
+                f"ring_attention needs a ring of at least 2 ranks, got a group of {len(sizes)}: "
+                "one process holding the whole sequence calls dot_product_attention"
+            )
         check_sizes(layout, sizes)
         self.ops, self.layout, self.sizes, self.world = ops, layout, list(sizes), len(sizes)
         self.valid_lens, self.score_mod, self.scale = valid_lens, score_mod, scale
