@@ -37,10 +37,10 @@ def dot_product_in_blocks(
             ops, queries, keys, values, masks, block_size=block_size, score=score
         )
         return out, lse[..., 0]
-    if not (forced or need_lse):  # grouped heads and a mask function's too, where an offer takes them
-        done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale)
+    if not forced:  # grouped heads and a mask function's too, where an offer takes them
+        done = specialise.run(ops, "attend_past_memory", queries, keys, values, masks, scale, need_lse)
         if done is not None:
-            return done[0], None
+            return done[0], done[1] if need_lse else None
     if not forced and blockwise.framework_loop(ops, queries, masks):
         block_size = min(block_size, FRAMEWORK_LOOP_MAX_BLOCK)
     elif not forced and ops.unrolls_loops(queries):  # the same program at every length

@@ -57,10 +57,11 @@ class Specialisations:
     # -- step ``attend_past_memory``: no weights, scores past the budget ----------------------
 
     def attend_by_flash_kernel(
-        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float
+        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float, need_lse: bool = False
     ) -> Offer:
-        """(output, None) from a framework's kernel that, like the core's blocks
-        (``blockwise``), never holds the scores whole and is faster than them."""
+        """(output, lse (B, [H,] Q) or None) from a framework's kernel that, like the core's
+        blocks (``blockwise``), never holds the scores whole and is faster than them; with
+        need_lse, only where the kernel gives the lse."""
         return NOT_OFFERED
 
     # -- step ``attend_in_chunks``: arrays whose chunks are tasks (dask) -----------------------

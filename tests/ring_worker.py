@@ -72,6 +72,10 @@ def torch_rank(rank, world, port, out_dir):
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
+    if world == 3:  # calls of 3 rows, keys travelling in blocks of 5 (shards of 8): several, one short
+        import multiattn.distributed
+
+        multiattn.distributed.ROWS, multiattn.distributed.KEYS = 3, 5
     found = {}
     for name, (keywords, has_reference) in cases(mods, torch.tensor).items():
         for layout in ("contiguous", "zigzag"):
@@ -86,7 +90,7 @@ def torch_rank(rank, world, port, out_dir):
             row = {"errors": errors, "finite": all(bool(torch.isfinite(g).all()) for g in got)}
             if has_reference:
                 want = torch.tensor(reference_rows(keywords, *arrays[:3]))
-                row["reference"] = float((out - shard(want, rank, world, layout)).abs().max())
+                row["reference"] = float((out.detach() - shard(want, rank, world, layout)).abs().max())
             if name == "nothing_visible":
                 row["zero_rows"] = float(got[0][0].abs().max())
             found[f"{name}/{layout}"] = row

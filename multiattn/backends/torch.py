@@ -327,8 +327,10 @@ class TorchOps(Ops):
         joined = x.movedim(0, -3)
         return joined.reshape(*joined.shape[:-3], -1, joined.shape[-1])
 
-    def attend_by_flash_kernel(self, queries, keys, values, masks, scale):
+    def attend_by_flash_kernel(self, queries, keys, values, masks, scale, need_lse=False):
         # SDPA's flash kernel holds one block of scores at a time; its masked kernel all of them
+        if need_lse:
+            return _flash_with_lse(queries, keys, values, masks, scale)
         if _not_finite_under_autograd(queries, keys):
             return _not_finite_under_autograd(queries, keys)
         if masks.mask_mod is not None:  # small masked calls: each block of queries over its span
@@ -491,6 +493,25 @@ def _parts_apply(queries, keys, values):
         and not (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
         and not torch.compiler.is_compiling()
     )
+
+
+def _flash_with_lse(queries, keys, values, masks, scale):
+    """(output, lse) from SDPA's CPU flash kernel: no mask or causal alone, not differentiated
+    (its lse has no gradient)."""
+    if not (masks.none or (masks.causal and masks.valid_lens is None and masks.attention_mask is None)):
+        return "a mask the flash kernel with its lse does not take (it takes none, causal)"
+    tensors = (queries, keys, values)
+    if _FLASH_WITH_LSE is None or torch.compiler.is_compiling() or not all(x.is_cpu for x in tensors):
+        return "no CPU flash kernel with its lse here (off the CPU, or compiled)"
+    if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
+        return "differentiated: the kernel's lse has no gradient"
+    heads = queries.dim() == 4
+
+    def attend():
+        out, lse = _FLASH_WITH_LSE(*(x if heads else x.unsqueeze(1) for x in tensors), 0.0, masks.causal, scale=scale)[:2]
+        return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
+
+    return attend
 
 
 CAUSAL_PARTS = 4  # query blocks of a causal call on SDPA's flash kernel (benchmarks/RESULTS.md)

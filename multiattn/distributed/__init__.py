@@ -17,7 +17,7 @@ point-to-point, a custom autograd function that passes dk, dv around the ring), 
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -27,7 +27,10 @@ from ..masks import Masks
 
 Tensor = Any
 Segment = Tuple[int, int]  # (first global position, positions)
+Block = Tuple[int, int, int]  # keys (start in the shard, size, first global position)
 LAYOUTS = ("contiguous", "zigzag")
+ROWS = 1024  # query rows (and keys, where a mask hides some) per call: its output is held beside the merged one
+KEYS = 4096  # keys per block that travels: fewer merges than blocks of ROWS
 
 __all__ = ["ring_attention", "shard", "unshard", "segments"]
 
@@ -104,9 +107,13 @@ class _Placed(mods.at_offset):
 
 class Ring:
     """One ring call's plan, the same on every rank: the shards' global positions, which
-    (query shard, key shard) blocks some key is visible in, and the masks at those positions."""
+    (query shard, key shard) blocks some key is visible in, and the masks at those positions.
+    attend(q, k, v, causal, scale): (out, lse) of a block without other masks from the
+    framework's own kernel, or None (then ``dot_product_attention``)."""
 
-    def __init__(self, ops, layout, sizes, batch, causal, valid_lens, mask_mod, score_mod, scale) -> None:
+    def __init__(
+        self, ops, layout, sizes, batch, causal, valid_lens, mask_mod, score_mod, scale, attend=None
+    ) -> None:  # fmt: skip
         if len(sizes) < 2:
             raise ValueError(
                 f"ring_attention needs a ring of at least 2 ranks, got a group of {len(sizes)}: "
@@ -114,8 +121,9 @@ class Ring:
             )
         check_sizes(layout, sizes)
         self.ops, self.layout, self.sizes, self.world = ops, layout, list(sizes), len(sizes)
-        self.valid_lens, self.score_mod, self.scale = valid_lens, score_mod, scale
+        self.valid_lens, self.score_mod, self.scale, self.attend = valid_lens, score_mod, scale, attend
         parts = ([mods.causal_mask()] if causal else []) + ([] if mask_mod is None else [mask_mod])
+        self.causal_only = causal and mask_mod is None
         self.mask = None if not parts else parts[0] if len(parts) == 1 else mods.and_masks(*parts)
         if self.mask is not None:
             self.mask = mods.as_mask_function(self.mask)
@@ -153,65 +161,102 @@ class Ring:
                 receive[r][s] = any(need[r][s + 1 :]) or passes_on
         return receive[rank], receive[(rank + 1) % world]
 
+    def key_blocks(self, source: int) -> List[Block]:
+        """source's keys in blocks of at most KEYS: (start in its shard, size, first global
+        position), the unit that travels (torch)."""
+        found, row = [], 0
+        for first, size in self.runs[source]:
+            found += [(row + at, min(KEYS, size - at), first + at) for at in range(0, size, KEYS)]
+            row += size
+        return found
+
+    def pieces(self, rank: int, q: Tensor, k: Tensor, v: Tensor, blocks: List[Block]) -> Iterator[tuple]:
+        """(first row, state (out (B, [H,] rows, v), lse (B, [H,] rows))) of each chunk of at
+        most ROWS of rank's query rows that sees some key of blocks (``key_blocks``, of k and
+        v): a chunk's output, not the shard's, is held beside the merged one."""
+        row = 0
+        for q_run in self.runs[rank]:
+            for start in range(0, q_run[1], ROWS):
+                chunk = (q_run[0] + start, min(ROWS, q_run[1] - start))
+                q_part = _take(q, row + start, row + start + chunk[1], -2)
+                parts = [
+                    self._attend(q_part, _take(k, at, stop, -2), _take(v, at, stop, -2), chunk[0], first, seen)
+                    for at, stop, first, seen in self._key_ranges(chunk, blocks)
+                ]
+                if parts:
+                    yield row + start, state.combine(self.ops, parts)
+            row += q_run[1]
+
+    def _key_ranges(self, chunk: Segment, blocks: List[Block]) -> Iterator[tuple]:
+        """(start, stop in k, first global position, what the mask shows) of the blocks a
+        chunk of queries may see: those seen whole and adjacent joined (one call), those
+        hidden whole left out."""
+        pending = None
+        for at, size, first in _split(blocks):
+            seen = self.seen(chunk, (first, size))
+            joins = pending is not None and pending[1] == at and pending[2] + at - pending[0] == first
+            if joins and seen == (True, True) and pending[3] == seen:
+                pending = (pending[0], at + size, pending[2], seen)
+                continue
+            if pending is not None:
+                yield pending
+            pending = None if seen is not None and not seen[0] else (at, at + size, first, seen)
+        if pending is not None:
+            yield pending
+
     def block(self, rank: int, source: int, q: Tensor, k: Tensor, v: Tensor) -> Optional[state.State]:
-        """The state (out (B, [H,] n, v), lse (B, [H,] n)) of rank's queries over source's keys,
-        at their global positions; None where no key of it may be seen."""
-        ops, rows, found = self.ops, [], False
-        for q_at, q_run, q_part in _parts(self.runs[rank], q):
-            parts = []
-            for k_at, k_run, k_part, v_part in _parts2(self.runs[source], k, v):
-                seen = self.seen(q_run, k_run)
-                if seen is not None and not seen[0]:
-                    continue
-                parts.append(self._attend(q_part, k_part, v_part, q_run[0], k_run[0], seen))
-            if parts:
-                found = True
-                rows.append(state.combine(ops, parts))
-            else:
-                rows.append(None)
+        """The state (out (B, [H,] n, v), lse (B, [H,] n)) of rank's queries over source's keys;
+        None where no key of it may be seen."""
+        ops, n, found, at = self.ops, self.ops.shape(q)[-2], [], 0
+        for row, part in self.pieces(rank, q, k, v, self.key_blocks(source)):
+            if row > at:
+                found.append(_nothing(ops, part, row - at))
+            found.append(part)
+            at = row + ops.shape(part[0])[-2]
         if not found:
             return None
-        like = next(r for r in rows if r is not None)
-        rows = [r if r is not None else _nothing(ops, like, q_run) for r, q_run in zip(rows, self.runs[rank])]
-        if len(rows) == 1:
-            return rows[0]
-        return ops.concat([o for o, _ in rows], -2), ops.concat([lse for _, lse in rows], -1)
+        if at < n:
+            found.append(_nothing(ops, found[-1], n - at))
+        if len(found) == 1:
+            return found[0]
+        return ops.concat([o for o, _ in found], -2), ops.concat([lse for _, lse in found], -1)
 
     def _attend(self, q, k, v, q_at, k_at, seen) -> state.State:
-        mask = None if seen == (True, True) or self.mask is None else _Placed(self.mask, q_at, k_at)
+        mask, causal = None if seen == (True, True) else self.mask, False
+        if mask is not None and self.causal_only and q_at == k_at and self.ops.shape(q)[-2] == self.ops.shape(k)[-2]:
+            mask, causal = None, True  # the diagonal: the call's own causal (a framework's kernel takes it)
+        mask = None if mask is None else _Placed(mask, q_at, k_at)
         score_mod = None if self.score_mod is None else mods.score_at_offset(self.score_mod, q_at, k_at)
         lens = None
         if self.valid_lens is not None:  # the whole sequence's lengths, as this block's keys
             n_keys = self.ops.shape(k)[-2]
             lens = self.valid_lens - k_at
             lens = self.ops.select(lens < 0, 0, self.ops.select(lens > n_keys, n_keys, lens))
+        if self.attend is not None and mask is None and score_mod is None and lens is None:
+            found = self.attend(q, k, v, causal, self.scale)  # the framework's kernel, where it has one
+            if found is not None:
+                return found
         from .. import dot_product_attention
 
         return dot_product_attention(
-            q, k, v, valid_lens=lens, mask_mod=mask, score_mod=score_mod, scale=self.scale, return_lse=True
-        )
+            q, k, v, valid_lens=lens, causal=causal, mask_mod=mask, score_mod=score_mod, scale=self.scale,
+            return_lse=True,
+        )  # fmt: skip
 
 
-def _nothing(ops, like: state.State, run: Segment) -> state.State:
+def _split(blocks: List[Block]) -> Iterator[Block]:
+    """The blocks in parts of at most ROWS keys (what a mask shows is found per part)."""
+    for at, size, first in blocks:
+        for start in range(0, size, ROWS):
+            yield at + start, min(ROWS, size - start), first + start
+
+
+def _nothing(ops, like: state.State, rows: int) -> state.State:
     """The state of rows that see nothing: out 0, lse -inf."""
     out, lse = like
-    shape = tuple(ops.shape(out))[:-2] + (run[1], ops.shape(out)[-1])
+    shape = tuple(ops.shape(out))[:-2] + (rows, ops.shape(out)[-1])
     zeros = ops.zeros(shape, out)
     return zeros, zeros[..., 0] + state.NEG_INF
-
-
-def _parts(runs: List[Segment], x: Tensor):
-    at = 0
-    for run in runs:
-        yield at, run, _take(x, at, at + run[1], -2)
-        at += run[1]
-
-
-def _parts2(runs: List[Segment], k: Tensor, v: Tensor):
-    at = 0
-    for run in runs:
-        yield at, run, _take(k, at, at + run[1], -2), _take(v, at, at + run[1], -2)
-        at += run[1]
 
 
 def ring_attention(

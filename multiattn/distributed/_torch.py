@@ -35,6 +35,7 @@ class Exchange:
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         place = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
         self.next, self.previous = place((self.rank + 1) % self.world), place((self.rank - 1) % self.world)
+        self.sent: List[Any] = []
 
     def wait(self, works: List[Any], what: str) -> None:
         try:
@@ -47,11 +48,20 @@ class Exchange:
                 f"arguments: {error}"
             ) from error
 
-    def start(self, send: Sequence[torch.Tensor], receive: Sequence[torch.Tensor]) -> List[Any]:
-        """Sends to the next rank and receives from the previous one, started."""
-        ops = [dist.P2POp(dist.isend, x.contiguous(), self.next, self.group) for x in send]
-        ops += [dist.P2POp(dist.irecv, x, self.previous, self.group) for x in receive]
-        return dist.batch_isend_irecv(ops) if ops else []
+    def send(self, tensors: Sequence[torch.Tensor], tag: int) -> None:
+        """Sends to the next rank, started; waited for at ``finish`` (the next rank receives
+        them a step later)."""
+        for i, x in enumerate(tensors):
+            x = x.contiguous()
+            self.sent.append((dist.isend(x, self.next, self.group, tag * len(tensors) + i), x))
+
+    def receive(self, buffers: Sequence[torch.Tensor], tag: int) -> List[Any]:
+        """Receives from the previous rank into buffers, started."""
+        return [dist.irecv(x, self.previous, self.group, tag * len(buffers) + i) for i, x in enumerate(buffers)]
+
+    def finish(self) -> None:
+        sent, self.sent = self.sent, []
+        self.wait([work for work, _ in sent], "a send to the next rank")
 
     def agree(self, q, k, v, valid_lens, layout: str, causal: bool) -> List[int]:
         """Every rank's shard length, after checking that every rank called alike: the same
@@ -84,35 +94,53 @@ def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layo
     if valid_lens is not None:
         valid_lens = torch.as_tensor(valid_lens, device=q.device)
     ops = get_backend("torch").ops
-    ring = Ring(ops, layout, sizes, q.shape[0], causal, valid_lens, mask_mod, score_mod, scale)
+    ring = Ring(ops, layout, sizes, q.shape[0], causal, valid_lens, mask_mod, score_mod, scale, _flash)
     return _RingAttention.apply(q, k, v, ring, exchange)
 
 
-def _shaped(x: torch.Tensor, positions: int) -> torch.Tensor:
+def _tag(ring: Ring, source: int, block: int, home: bool = False) -> int:
+    """The messages of a block of source's keys (home: its gradients' last hop, to source)."""
+    return ((source * len(ring.key_blocks(0)) + block) * 2 + home) % (1 << 30)
+
+
+def _new(x: torch.Tensor, positions: int) -> torch.Tensor:
     return x.new_empty(tuple(x.shape[:-2]) + (positions, x.shape[-1]))
 
 
 class _RingAttention(torch.autograd.Function):
+    """The keys and values travel in blocks (``Ring.key_blocks``): a rank receives the next
+    block while it computes the current one, passes each on once it is used, and holds a few
+    blocks beside its own shard, not a second shard (where it passes nothing on)."""
+
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, exchange: Exchange):
         rank, world, ops = exchange.rank, exchange.world, ring.ops
         receive, send = ring.transfers(rank)
-        held, found = (k, v), None
-        for step in range(world):
-            works, incoming = [], held
-            if step < world - 1 and (receive[step] or send[step]):
-                positions = ring.sizes[ring.source(rank, step + 1)]
-                incoming = tuple(_shaped(x, positions) for x in held) if receive[step] else held
-                works = exchange.start(held if send[step] else (), incoming if receive[step] else ())
-            found = merge(ops, found, ring.block(rank, ring.source(rank, step), q, *held))
-            exchange.wait(works, f"the exchange of step {step}")
-            if step < world - 1 and not receive[step]:
-                break  # no later step of this rank sees any key
-            held = incoming
-        if found is None:
-            out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],))
-            found = out, out[..., 0] + state.NEG_INF
-        out, lse = found
+        steps = [0] + [s + 1 for s in range(world - 1) if all(receive[: s + 1])]
+        sequence = [(s, j, block) for s in steps for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))]
+        out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],))
+        lse = torch.full(q.shape[:-1], state.NEG_INF, dtype=_lse_dtype(q), device=q.device)
+
+        def fetch(item):  # (tensors, receives pending)
+            step, j, (at, size, _) = item
+            if step == 0:
+                return (k[..., at : at + size, :], v[..., at : at + size, :]), []
+            buffers = (_new(k, size), _new(v, size))
+            return buffers, exchange.receive(buffers, _tag(ring, ring.source(rank, step), j))
+
+        current = fetch(sequence[0])
+        for i, (step, j, block) in enumerate(sequence):
+            following = fetch(sequence[i + 1]) if i + 1 < len(sequence) else None
+            exchange.wait(current[1], f"receiving step {step}'s keys")
+            tensors = current[0]
+            if step < world - 1 and send[step]:
+                exchange.send(tensors, _tag(ring, ring.source(rank, step), j))
+            for row, part in ring.pieces(rank, q, *tensors, [(0, block[1], block[2])]):
+                rows = slice(row, row + part[0].shape[-2])
+                merged = state.combine(ops, [(out[..., rows, :], lse[..., rows]), part])
+                out[..., rows, :], lse[..., rows] = merged  # in place: the shard's output held once
+            current = following
+        exchange.finish()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.exchange = ring, exchange
         return out
@@ -122,37 +150,73 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring, exchange = ctx.ring, ctx.exchange
         rank, world = exchange.rank, exchange.world
-        d_q, held = torch.zeros_like(q), (k, v, torch.zeros_like(k), torch.zeros_like(v))
         # w_s = exp(lse_s - lse): each block's weight in the output (0 where lse is -inf)
         lse = torch.where(lse == state.NEG_INF, 0.0, lse)
-        for step in range(world):
-            works, incoming = [], held[:2]
-            if step < world - 1:  # the next keys and values travel while this block is computed
-                positions = ring.sizes[ring.source(rank, step + 1)]
-                incoming = tuple(_shaped(x, positions) for x in held[:2])
-                works = exchange.start(held[:2], incoming)
-            grads = _block_gradients(ring, rank, ring.source(rank, step), q, held[0], held[1], d_out, out, lse)
-            d_k, d_v = held[2:]
+        d_q, d_k, d_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        sequence = [(s, j, block) for s in range(world) for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))]
+
+        def fetch(item):  # each block travels with its dk, dv so far
+            step, j, (at, size, _) = item
+            if step == 0:
+                kv = (k[..., at : at + size, :], v[..., at : at + size, :])
+                return kv + tuple(torch.zeros_like(x) for x in kv), []
+            buffers = (_new(k, size), _new(v, size), _new(k, size), _new(v, size))
+            return buffers, exchange.receive(buffers, _tag(ring, ring.source(rank, step), j))
+
+        current = fetch(sequence[0])
+        for i, (step, j, block) in enumerate(sequence):
+            following = fetch(sequence[i + 1]) if i + 1 < len(sequence) else None
+            exchange.wait(current[1], f"receiving step {step}'s keys in the backward")
+            k_b, v_b, dk_b, dv_b = current[0]
+            grads = _block_gradients(ring, rank, q, k_b, v_b, block, d_out, out, lse)
             if grads is not None:
-                d_q, d_k, d_v = d_q + grads[0], d_k + grads[1], d_v + grads[2]
-            # dk, dv go with their shard: after the last step, home to the rank that owns it
-            gradients = tuple(torch.empty_like(x) for x in (incoming if step < world - 1 else (k, v)))
-            works += exchange.start((d_k, d_v), gradients)
-            exchange.wait(works, f"the backward's exchange of step {step}")
-            held = incoming + gradients
-        return d_q, held[2], held[3], None, None
+                d_q, dk_b, dv_b = d_q + grads[0], dk_b + grads[1], dv_b + grads[2]
+            source = ring.source(rank, step)
+            if step < world - 1:
+                exchange.send((k_b, v_b, dk_b, dv_b), _tag(ring, source, j))
+            else:  # the last hop: home to the rank that owns these keys
+                exchange.send((dk_b, dv_b), _tag(ring, source, j, home=True))
+            current = following
+        for j, (at, size, _) in enumerate(ring.key_blocks(rank)):
+            buffers = (d_k[..., at : at + size, :], d_v[..., at : at + size, :])
+            received = (torch.empty_like(buffers[0]), torch.empty_like(buffers[1]))
+            exchange.wait(exchange.receive(received, _tag(ring, rank, j, home=True)), "receiving the gradients")
+            buffers[0].copy_(received[0])
+            buffers[1].copy_(received[1])
+        exchange.finish()
+        return d_q, d_k, d_v, None, None
 
 
-def _block_gradients(ring, rank, source, q, k, v, d_out, out, lse):
-    """(dq, dk, dv) of one block: its state recomputed, differentiated with the cotangents of
-    its out and lse in the merged output (w dO, and w <dO, o_s - O> for the lse)."""
+_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _flash(q, k, v, causal, scale):
+    """(out, lse) of a block by SDPA's CPU flash kernel (its lse has no gradient: not where
+    autograd records), else None."""
+    if _FLASH_WITH_LSE is None or not q.is_cpu or (torch.is_grad_enabled() and q.requires_grad):
+        return None
+    heads = q.dim() == 4
+    out, lse = _FLASH_WITH_LSE(*(x if heads else x.unsqueeze(1) for x in (q, k, v)), 0.0, causal, scale=scale)[:2]
+    return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
+
+
+def _lse_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _block_gradients(ring, rank, q, k, v, block, d_out, out, lse):
+    """(dq, dk, dv) of one block of keys, None where no query sees it: each chunk's state
+    recomputed and differentiated with the cotangents of its out and lse in the merged output
+    (w dO, and w <dO, o_s - O> for the lse, w = exp(lse_s - lse))."""
+    found = None
     with torch.enable_grad():
         leaves = [x.detach().requires_grad_() for x in (q, k, v)]
-        part = ring.block(rank, source, *leaves)
-        if part is None:
-            return None
-        o_s, lse_s = part
-        w = torch.where(lse_s == state.NEG_INF, 0.0, torch.exp(lse_s - lse))
-        d_lse = w * (d_out * (o_s.detach() - out)).sum(-1)
-        found = torch.autograd.grad((o_s, lse_s), leaves, (w[..., None] * d_out, d_lse), allow_unused=True)
-        return tuple(torch.zeros_like(x) if g is None else g for x, g in zip(leaves, found))
+        for row, (o_s, lse_s) in ring.pieces(rank, *leaves, [(0, block[1], block[2])]):
+            rows = slice(row, row + o_s.shape[-2])
+            w = torch.where(lse_s == state.NEG_INF, 0.0, torch.exp(lse_s - lse[..., rows]))
+            d_o = d_out[..., rows, :]
+            d_lse = w * (d_o * (o_s.detach() - out[..., rows, :])).sum(-1)
+            grads = torch.autograd.grad((o_s, lse_s), leaves, (w[..., None] * d_o, d_lse), allow_unused=True)
+            grads = [torch.zeros_like(x) if g is None else g for x, g in zip(leaves, grads)]
+            found = grads if found is None else [a + b for a, b in zip(found, grads)]
+    return found
