@@ -60,8 +60,8 @@ def rank_main(rank: int, world: int, port: int, n: int, causal: bool, layout: st
     import torch.distributed as dist
 
     import multiattn
-    from multiattn.distributed import _torch as ring_torch
     from multiattn.distributed import ring_attention
+    from multiattn.distributed import torch_distributed as ring_torch
 
     torch.set_num_threads(max(1, os.cpu_count() // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -128,7 +128,9 @@ def main() -> None:
     common = ["--n", str(args.n), "--world", str(args.world)] + (["--causal"] if args.causal else [])
     kinds = ([] if args.no_single else ["single"]) + args.layouts.split(",")
     for kind in kinds:
-        done = subprocess.run([sys.executable, __file__, *common, "--child", kind], capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, __file__, *common, "--child", kind], capture_output=True, text=True
+        )
         if done.returncode:
             raise SystemExit(done.stderr[-3000:])
         print(done.stdout, end="", flush=True)

@@ -73,9 +73,9 @@ def torch_rank(rank, world, port, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     torch.set_num_threads(1)
     if world == 3:  # calls of 3 rows, keys travelling in blocks of 5 (shards of 8): several, one short
-        import multiattn.distributed
+        import multiattn.distributed.ring
 
-        multiattn.distributed.ROWS, multiattn.distributed.KEYS = 3, 5
+        multiattn.distributed.ring.ROWS, multiattn.distributed.ring.KEYS = 3, 5
     found = {}
     for name, (keywords, has_reference) in cases(mods, torch.tensor).items():
         for layout in ("contiguous", "zigzag"):
@@ -86,7 +86,9 @@ def torch_rank(rank, world, port, out_dir):
             local = [shard(x.detach(), rank, world, layout).requires_grad_() for x in (q, k, v)]
             out = ring_attention(*local, layout=layout, timeout=60, **keywords)
             got = [out, *torch.autograd.grad(out, local, shard(d_out, rank, world, layout))]
-            errors = [float((g - shard(e, rank, world, layout)).detach().abs().max()) for g, e in zip(got, expected)]
+            errors = [
+                float((g - shard(e, rank, world, layout)).detach().abs().max()) for g, e in zip(got, expected)
+            ]
             row = {"errors": errors, "finite": all(bool(torch.isfinite(g).all()) for g in got)}
             if has_reference:
                 want = torch.tensor(reference_rows(keywords, *arrays[:3]))
@@ -98,7 +100,10 @@ def torch_rank(rank, world, port, out_dir):
     q, k, v = (torch.tensor(x[:, 0], requires_grad=True) for x in inputs(np.random.default_rng(1))[:3])
     whole = multiattn.dot_product_attention(q, k, v, causal=True)
     out = ring_attention(*(shard(x.detach(), rank, world) for x in (q, k, v)), causal=True)
-    found["three_d/contiguous"] = {"errors": [float((out - shard(whole, rank, world)).abs().max())], "finite": True}
+    found["three_d/contiguous"] = {
+        "errors": [float((out - shard(whole, rank, world)).abs().max())],
+        "finite": True,
+    }
     Path(out_dir, f"torch_{world}_{rank}.json").write_text(json.dumps(found))
     dist.destroy_process_group()
 
@@ -143,11 +148,8 @@ def jax_cases(out_dir):
 
     jax.config.update("jax_enable_x64", True)
     import jax.numpy as jnp
-    from jax.sharding import PartitionSpec as P
 
-    import multiattn
     from multiattn import mods
-    from multiattn.distributed import ring_attention, shard, unshard
 
     world = 4
     mesh = jax.make_mesh((world,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
@@ -160,35 +162,48 @@ def jax_cases(out_dir):
         "sliding_window+alibi/zigzag": {**picked["sliding_window"][0], **picked["alibi"][0]},
         "document+softcap/contiguous": {**picked["document"][0], **picked["softcap"][0]},
     }
-    found = {}
-    for key, keywords in runs.items():
-        layout = key.split("/")[1]
-        q, k, v, d_out = (jnp.asarray(x) for x in inputs(np.random.default_rng(len(key))))
-        spec = P(None, None, "sp")
-        ring = jax.shard_map(
-            lambda q, k, v: ring_attention(q, k, v, axis_name="sp", layout=layout, **keywords),
-            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
-        )  # fmt: skip
-        size = N // world
+    found = {key: _jax_case(mesh, world, key, keywords) for key, keywords in runs.items()}
+    Path(out_dir, "jax.json").write_text(json.dumps(found))
 
-        def call(q, k, v, ring=ring, layout=layout):  # the whole sequence in, the whole out
-            out = ring(*(jnp.concatenate([shard(x, r, world, layout) for r in range(world)], -2) for x in (q, k, v)))
-            return unshard([out[..., r * size : (r + 1) * size, :] for r in range(world)], layout)
 
-        def loss(f, q, k, v):
+def _jax_case(mesh, world, key, keywords):
+    """One case: the ring in shard_map (forward and gradients, jitted) against the single call."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import multiattn
+    from multiattn.distributed import ring_attention, shard, unshard
+
+    layout, size, spec = key.split("/")[1], N // world, P(None, None, "sp")
+    q, k, v, d_out = (jnp.asarray(x) for x in inputs(np.random.default_rng(len(key))))
+    ring = jax.shard_map(
+        lambda q, k, v: ring_attention(q, k, v, axis_name="sp", layout=layout, **keywords),
+        mesh=mesh, in_specs=(spec,) * 3, out_specs=spec,
+    )  # fmt: skip
+
+    def call(q, k, v):  # the whole sequence in, the whole out
+        ordered = (jnp.concatenate([shard(x, r, world, layout) for r in range(world)], -2) for x in (q, k, v))
+        out = ring(*ordered)
+        return unshard([out[..., r * size : (r + 1) * size, :] for r in range(world)], layout)
+
+    def single(q, k, v):
+        return multiattn.dot_product_attention(q, k, v, **keywords)
+
+    def loss(f):
+        def value(q, k, v):
             out = f(q, k, v)
             return (out * d_out).sum(), out
 
-        single = lambda q, k, v: multiattn.dot_product_attention(q, k, v, **keywords)  # noqa: E731
-        (_, want), want_grads = jax.value_and_grad(lambda *a: loss(single, *a), (0, 1, 2), has_aux=True)(q, k, v)
-        step = jax.jit(jax.value_and_grad(lambda *a: loss(call, *a), (0, 1, 2), has_aux=True))
-        (_, got), grads = step(q, k, v)
-        errors = [float(jnp.abs(a - b).max()) for a, b in zip((got, *grads), (want, *want_grads))]
-        row = {"errors": errors, "finite": all(bool(jnp.isfinite(g).all()) for g in (got, *grads))}
-        if key.startswith("causal+lengths"):
-            row["zero_rows"] = float(jnp.abs(got[0]).max())
-        found[key] = row
-    Path(out_dir, "jax.json").write_text(json.dumps(found))
+        return jax.value_and_grad(value, (0, 1, 2), has_aux=True)
+
+    (_, want), want_grads = loss(single)(q, k, v)
+    (_, got), grads = jax.jit(loss(call))(q, k, v)
+    errors = [float(jnp.abs(a - b).max()) for a, b in zip((got, *grads), (want, *want_grads))]
+    row = {"errors": errors, "finite": all(bool(jnp.isfinite(g).all()) for g in (got, *grads))}
+    if key.startswith("causal+lengths"):
+        row["zero_rows"] = float(jnp.abs(got[0]).max())
+    return row
 
 
 if __name__ == "__main__":

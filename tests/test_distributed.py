@@ -39,7 +39,16 @@ def _check_cases(found, expected_cases):
 
 TORCH_CASES = {
     f"{name}/{layout}"
-    for name in ("none", "causal", "lengths", "nothing_visible", "sliding_window", "document", "alibi", "softcap")
+    for name in (
+        "none",
+        "causal",
+        "lengths",
+        "nothing_visible",
+        "sliding_window",
+        "document",
+        "alibi",
+        "softcap",
+    )
     for layout in ("contiguous", "zigzag")
 } | {"three_d/contiguous"}
 
@@ -77,7 +86,10 @@ def test_torch_misuse_and_faults_raise_on_every_rank_within_the_timeout(tmp_path
     alive = {"dead": 1, "absent": 1}.get(kind, {"alone": 1}.get(kind, 2))
     assert len(found) == alive, found
     for rank, result in found.items():
-        assert result["raised"] and result["raised"].startswith(error) and says in result["raised"], (rank, result)
+        assert result["raised"] and result["raised"].startswith(error) and says in result["raised"], (
+            rank,
+            result,
+        )
         assert result["seconds"] < 3 + 5, (rank, result)  # the timeout (3 s) and some slack, never a hang
 
 
@@ -96,3 +108,42 @@ def test_jax_ring_misuse_raises():
         shard(x, 0, 2, "zigzag")
     parts = [shard(jnp.arange(12.0).reshape(1, 12, 1), r, 3, "zigzag") for r in range(3)]
     assert unshard(parts, "zigzag")[0, :, 0].tolist() == list(range(12))
+
+
+def _doc_examples():
+    """docs/distributed.md's python blocks: (torch's torchrun script, jax's example)."""
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    return [b for b in blocks if "init_process_group" in b][0], [b for b in blocks if "shard_map" in b][0]
+
+
+@pytest.mark.backend("torch")
+def test_the_torchrun_example_runs_as_written(tmp_path):
+    script = tmp_path / "ring_step.py"
+    script.write_text(_doc_examples()[0])
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = sorted(line for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
+    assert lines == ["0 (1, 8, 1024, 64) (1, 2, 1024, 64)", "1 (1, 8, 1024, 64) (1, 2, 1024, 64)"], (
+        done.stdout
+    )
+
+
+@pytest.mark.backend("jax")
+def test_the_shard_map_example_prints_what_its_comment_says(tmp_path):
+    example = _doc_examples()[1]
+    script = tmp_path / "ring_jax.py"
+    script.write_text(example)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = example.split("print(")[-1].split("# ")[1].strip()
+    assert done.stdout.strip().splitlines()[-1] == said

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import state
 from .._registry import get_backend
-from . import Ring, merge
+from .ring import Ring
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LAYOUTS = ("contiguous", "zigzag")
@@ -49,17 +49,22 @@ class Exchange:
             ) from error
 
     def send(self, tensors: Sequence[torch.Tensor], tag: int) -> None:
-        """Sends to the next rank, started; waited for at ``finish`` (the next rank receives
-        them a step later)."""
-        for i, x in enumerate(tensors):
-            x = x.contiguous()
-            self.sent.append((dist.isend(x, self.next, self.group, tag * len(tensors) + i), x))
+        """Sends to the next rank, started; waited for at ``wait_for_sends`` (the next rank receives
+        them a step later).  Row by row (a sequence's head): a block of a shard's rows is
+        sent from the shard's memory, not a copy."""
+        rows = _rows(tensors)
+        for i, x in enumerate(rows):
+            self.sent.append((dist.isend(x, self.next, self.group, _wrapped(tag * len(rows) + i)), x))
 
     def receive(self, buffers: Sequence[torch.Tensor], tag: int) -> List[Any]:
-        """Receives from the previous rank into buffers, started."""
-        return [dist.irecv(x, self.previous, self.group, tag * len(buffers) + i) for i, x in enumerate(buffers)]
+        """Receives from the previous rank into buffers (contiguous), started."""
+        rows = _rows(buffers)
+        return [
+            dist.irecv(x, self.previous, self.group, _wrapped(tag * len(rows) + i))
+            for i, x in enumerate(rows)
+        ]
 
-    def finish(self) -> None:
+    def wait_for_sends(self) -> None:
         sent, self.sent = self.sent, []
         self.wait([work for work, _ in sent], "a send to the next rank")
 
@@ -98,9 +103,25 @@ def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layo
     return _RingAttention.apply(q, k, v, ring, exchange)
 
 
+def _rows(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each tensor's (positions, width) matrices, one per sequence and head: contiguous where
+    the tensor is (a slice of positions of a contiguous shard too)."""
+    rows = []
+    for x in tensors:
+        flat = x.reshape(-1, *x.shape[-2:]) if x.is_contiguous() else None
+        if flat is None:  # a slice of a shard: each matrix a view of the shard
+            flat = [m for m in (x.unsqueeze(0) if x.dim() == 2 else x).flatten(0, -3).unbind(0)]
+        rows += [m if m.is_contiguous() else m.contiguous() for m in flat]
+    return rows
+
+
 def _tag(ring: Ring, source: int, block: int, home: bool = False) -> int:
     """The messages of a block of source's keys (home: its gradients' last hop, to source)."""
-    return ((source * len(ring.key_blocks(0)) + block) * 2 + home) % (1 << 30)
+    return (source * len(ring.key_blocks(0)) + block) * 2 + home
+
+
+def _wrapped(tag: int) -> int:
+    return tag % (1 << 30)  # a C int; messages between two ranks are also matched in order
 
 
 def _new(x: torch.Tensor, positions: int) -> torch.Tensor:
@@ -117,7 +138,9 @@ class _RingAttention(torch.autograd.Function):
         rank, world, ops = exchange.rank, exchange.world, ring.ops
         receive, send = ring.transfers(rank)
         steps = [0] + [s + 1 for s in range(world - 1) if all(receive[: s + 1])]
-        sequence = [(s, j, block) for s in steps for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))]
+        sequence = [
+            (s, j, block) for s in steps for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))
+        ]
         out = q.new_zeros(tuple(q.shape[:-1]) + (v.shape[-1],))
         lse = torch.full(q.shape[:-1], state.NEG_INF, dtype=_lse_dtype(q), device=q.device)
 
@@ -140,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
                 merged = state.combine(ops, [(out[..., rows, :], lse[..., rows]), part])
                 out[..., rows, :], lse[..., rows] = merged  # in place: the shard's output held once
             current = following
-        exchange.finish()
+        exchange.wait_for_sends()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring, ctx.exchange = ring, exchange
         return out
@@ -153,7 +176,11 @@ class _RingAttention(torch.autograd.Function):
         # w_s = exp(lse_s - lse): each block's weight in the output (0 where lse is -inf)
         lse = torch.where(lse == state.NEG_INF, 0.0, lse)
         d_q, d_k, d_v = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        sequence = [(s, j, block) for s in range(world) for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))]
+        sequence = [
+            (s, j, block)
+            for s in range(world)
+            for j, block in enumerate(ring.key_blocks(ring.source(rank, s)))
+        ]
 
         def fetch(item):  # each block travels with its dk, dv so far
             step, j, (at, size, _) = item
@@ -180,10 +207,12 @@ class _RingAttention(torch.autograd.Function):
         for j, (at, size, _) in enumerate(ring.key_blocks(rank)):
             buffers = (d_k[..., at : at + size, :], d_v[..., at : at + size, :])
             received = (torch.empty_like(buffers[0]), torch.empty_like(buffers[1]))
-            exchange.wait(exchange.receive(received, _tag(ring, rank, j, home=True)), "receiving the gradients")
+            exchange.wait(
+                exchange.receive(received, _tag(ring, rank, j, home=True)), "receiving the gradients"
+            )
             buffers[0].copy_(received[0])
             buffers[1].copy_(received[1])
-        exchange.finish()
+        exchange.wait_for_sends()
         return d_q, d_k, d_v, None, None
 
 
@@ -196,7 +225,9 @@ def _flash(q, k, v, causal, scale):
     if _FLASH_WITH_LSE is None or not q.is_cpu or (torch.is_grad_enabled() and q.requires_grad):
         return None
     heads = q.dim() == 4
-    out, lse = _FLASH_WITH_LSE(*(x if heads else x.unsqueeze(1) for x in (q, k, v)), 0.0, causal, scale=scale)[:2]
+    out, lse = _FLASH_WITH_LSE(
+        *(x if heads else x.unsqueeze(1) for x in (q, k, v)), 0.0, causal, scale=scale
+    )[:2]
     return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
 
 

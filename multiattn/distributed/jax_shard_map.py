@@ -13,7 +13,7 @@ from jax import lax
 
 from .. import state
 from .._registry import get_backend
-from . import Ring, merge
+from .ring import Ring, merge
 
 
 def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layout, axis_name):
@@ -26,7 +26,9 @@ def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layo
     if valid_lens is not None:
         valid_lens = jnp.asarray(valid_lens)
     ops = get_backend("jax").ops
-    ring = Ring(ops, layout, [q.shape[-2]] * world, q.shape[0], causal, valid_lens, mask_mod, score_mod, scale)
+    ring = Ring(
+        ops, layout, [q.shape[-2]] * world, q.shape[0], causal, valid_lens, mask_mod, score_mod, scale
+    )
     place = lax.axis_index(axis_name)
     to_next = [(r, (r + 1) % world) for r in range(world)]
     receives = [ring.transfers(r)[0] for r in range(world)]
