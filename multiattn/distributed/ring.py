@@ -17,10 +17,9 @@ Tensor = Any
 Segment = Tuple[int, int]  # (first global position, positions)
 Block = Tuple[int, int, int]  # keys (start in the shard, size, first global position)
 LAYOUTS = ("contiguous", "zigzag")
-ROWS = (
-    1024  # query rows (and keys, where a mask hides some) per call: its output is held beside the merged one
-)
-KEYS = 4096  # keys per block that travels: fewer merges than blocks of ROWS
+# query rows (and keys, where a mask hides some) per call: its output and merge are held beside
+# the shard's; keys per block that travels (fewer merges than blocks of ROWS)
+ROWS, KEYS = 512, 2048
 
 
 def segments(layout: str, rank: int, sizes: Sequence[int]) -> List[Segment]:
