@@ -116,6 +116,7 @@ class Ring:
             self.mask = mods.as_mask_function(self.mask)
             total = sum(self.sizes)
             self.mask.check_sizes(batch, total, total)
+            self._classify = self.mask.classifier(ops)  # what the host reads, read once
         self.runs = [segments(layout, r, self.sizes) for r in range(self.world)]
 
     def source(self, rank: int, step: int) -> int:
@@ -126,8 +127,7 @@ class Ring:
         """(some key seen, every key seen) of a block of runs by the mask, None: not known."""
         if self.mask is None:
             return True, True
-        placed = _Placed(self.mask, q_run[0], k_run[0])
-        return placed.classify(self.ops, (0, q_run[1], 0, k_run[1]))
+        return self._classify((q_run[0], q_run[0] + q_run[1], k_run[0], k_run[0] + k_run[1]))
 
     def visits(self, rank: int, source: int) -> bool:
         """Whether rank's queries may see any of source's keys."""
