@@ -61,7 +61,7 @@ def rank_main(rank: int, world: int, port: int, n: int, causal: bool, layout: st
 
     import multiattn
     from multiattn.distributed import ring_attention
-    from multiattn.distributed import torch_distributed as ring_torch
+    from multiattn.backends import torch_ring as ring_torch
 
     torch.set_num_threads(max(1, os.cpu_count() // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -496,22 +496,28 @@ def _parts_apply(queries, keys, values):
 
 
 def _flash_with_lse(queries, keys, values, masks, scale):
-    """(output, lse) from SDPA's CPU flash kernel: no mask or causal alone, not differentiated
-    (its lse has no gradient)."""
+    """The offer of (output, lse) by SDPA's CPU flash kernel: no mask or causal alone."""
     if not (masks.none or (masks.causal and masks.valid_lens is None and masks.attention_mask is None)):
         return "a mask the flash kernel with its lse does not take (it takes none, causal)"
-    tensors = (queries, keys, values)
+    declined = flash_with_lse_declines(queries, keys, values)
+    return declined or functools.partial(flash_with_lse, queries, keys, values, masks.causal, scale)
+
+
+def flash_with_lse_declines(*tensors) -> Optional[str]:
+    """Why SDPA's CPU flash kernel with its lse cannot run on these tensors, or None."""
     if _FLASH_WITH_LSE is None or torch.compiler.is_compiling() or not all(x.is_cpu for x in tensors):
         return "no CPU flash kernel with its lse here (off the CPU, or compiled)"
     if torch.is_grad_enabled() and any(x.requires_grad for x in tensors):
         return "differentiated: the kernel's lse has no gradient"
+    return None
+
+
+def flash_with_lse(queries, keys, values, causal, scale):
+    """(output, lse (B, [H,] Q)) by SDPA's CPU flash kernel (``flash_with_lse_declines``)."""
     heads = queries.dim() == 4
-
-    def attend():
-        out, lse = _FLASH_WITH_LSE(*(x if heads else x.unsqueeze(1) for x in tensors), 0.0, masks.causal, scale=scale)[:2]
-        return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
-
-    return attend
+    tensors = (x if heads else x.unsqueeze(1) for x in (queries, keys, values))
+    out, lse = _FLASH_WITH_LSE(*tensors, 0.0, causal, scale=scale)[:2]
+    return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
 
 
 CAUSAL_PARTS = 4  # query blocks of a causal call on SDPA's flash kernel (benchmarks/RESULTS.md)

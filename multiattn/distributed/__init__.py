@@ -7,8 +7,8 @@ queries over the keys it holds, at their global positions, and merges it into it
 (``state.combine``): exact, the single-process call's rows of this shard.
 
 The plan and the blocks are framework-free (``ring``); the exchange and the gradient are the
-framework's (``torch_distributed``: ``torch.distributed`` point-to-point and a custom autograd function;
-``jax_shard_map``: ``lax.ppermute`` inside ``shard_map``, differentiated by jax)."""
+framework's (``backends.torch_ring``: ``torch.distributed`` point-to-point and a custom autograd function;
+``backends.jax_ring``: ``lax.ppermute`` inside ``shard_map``, differentiated by jax)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,9 @@ def ring_attention(
     scale = validation.check_scale(scale)
     name = framework_of(q)
     if name == "torch":
-        from . import torch_distributed
+        from ..backends import torch_ring
 
-        return torch_distributed.ring_attention(
+        return torch_ring.ring_attention(
             q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layout, group, timeout
         )
     if name == "jax":
@@ -50,9 +50,9 @@ def ring_attention(
             raise ValueError(
                 "ring_attention on jax needs axis_name=, the shard_map mesh axis the sequence is split over"
             )
-        from . import jax_shard_map
+        from ..backends import jax_ring
 
-        return jax_shard_map.ring_attention(
+        return jax_ring.ring_attention(
             q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layout, axis_name
         )
     raise TypeError(

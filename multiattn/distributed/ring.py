@@ -1,5 +1,5 @@
 """Ring attention's plan and blocks, the same for every framework (the exchange and the
-gradient are the framework's: ``torch_distributed``, ``jax_shard_map``).
+gradient are the framework's: ``backends.torch_ring``, ``backends.jax_ring``).
 
 Layouts (``shard``, ``unshard``): ``"contiguous"`` (rank r holds the r-th run of positions;
 the runs may differ in length) and ``"zigzag"`` (of 2P equal chunks, rank r holds chunk r then

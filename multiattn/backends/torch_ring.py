@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 from .. import state
 from .._registry import get_backend
-from .ring import Ring
+from ..distributed.ring import Ring
+from .torch import flash_with_lse, flash_with_lse_declines
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _LAYOUTS = ("contiguous", "zigzag")
@@ -216,19 +217,10 @@ class _RingAttention(torch.autograd.Function):
         return d_q, d_k, d_v, None, None
 
 
-_FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
 def _flash(q, k, v, causal, scale):
-    """(out, lse) of a block by SDPA's CPU flash kernel (its lse has no gradient: not where
-    autograd records), else None."""
-    if _FLASH_WITH_LSE is None or not q.is_cpu or (torch.is_grad_enabled() and q.requires_grad):
-        return None
-    heads = q.dim() == 4
-    out, lse = _FLASH_WITH_LSE(
-        *(x if heads else x.unsqueeze(1) for x in (q, k, v)), 0.0, causal, scale=scale
-    )[:2]
-    return (out, lse) if heads else (out.squeeze(1), lse.squeeze(1))
+    """(out, lse) of a block by SDPA's CPU flash kernel, else None (its lse has no gradient:
+    not where autograd records)."""
+    return None if flash_with_lse_declines(q, k, v) else flash_with_lse(q, k, v, causal, scale)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:

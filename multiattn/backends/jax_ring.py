@@ -13,7 +13,7 @@ from jax import lax
 
 from .. import state
 from .._registry import get_backend
-from .ring import Ring, merge
+from ..distributed.ring import Ring, merge
 
 
 def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layout, axis_name):
