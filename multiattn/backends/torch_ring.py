@@ -1,7 +1,7 @@
-"""Ring attention over ``torch.distributed``: the shards exchanged by point-to-point sends and
-receives (gloo on CPU, NCCL on GPUs), the next shard's exchange started before the current
-block is computed; the backward a custom autograd function that recomputes each block's state
-and passes dk, dv around the ring with the shard they belong to."""
+"""Ring attention over ``torch.distributed``: the keys and values sent on in blocks by
+point-to-point sends and receives (gloo on CPU, NCCL on GPUs), the next block's receive started
+before the current block is computed; the backward a custom autograd function that recomputes
+each block's state and passes dk, dv around the ring with the block they belong to."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ import torch.distributed as dist
 
 from .. import state
 from .._registry import get_backend
-from ..distributed.ring import Ring
+from ..distributed.ring import LAYOUTS, Ring
 from .torch import flash_with_lse, flash_with_lse_declines
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_LAYOUTS = ("contiguous", "zigzag")
 
 
 class Exchange:
@@ -74,7 +73,7 @@ class Exchange:
         error on every rank where not."""
         described = [q.dim(), *q.shape[:-2], q.shape[-1], *k.shape[:-2], k.shape[-1], v.shape[-1]]
         mine = [k.shape[-2], len(described), *described, _DTYPES.index(q.dtype) if q.dtype in _DTYPES else -1]
-        mine += [_LAYOUTS.index(layout), int(causal), valid_lens is None]
+        mine += [LAYOUTS.index(layout), int(causal), valid_lens is None]
         local = torch.tensor(mine + [0] * (16 - len(mine)), dtype=torch.int64)
         found = [torch.zeros_like(local) for _ in range(self.world)]
         self.wait([dist.all_gather(found, local, group=self.group, async_op=True)], "the shapes' check")
@@ -105,14 +104,11 @@ def ring_attention(q, k, v, causal, valid_lens, mask_mod, score_mod, scale, layo
 
 
 def _rows(tensors: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-    """Each tensor's (positions, width) matrices, one per sequence and head: contiguous where
-    the tensor is (a slice of positions of a contiguous shard too)."""
+    """Each tensor's (positions, width) matrices, one per sequence and head: views where the
+    tensor is a block of a contiguous shard's positions."""
     rows = []
     for x in tensors:
-        flat = x.reshape(-1, *x.shape[-2:]) if x.is_contiguous() else None
-        if flat is None:  # a slice of a shard: each matrix a view of the shard
-            flat = [m for m in (x.unsqueeze(0) if x.dim() == 2 else x).flatten(0, -3).unbind(0)]
-        rows += [m if m.is_contiguous() else m.contiguous() for m in flat]
+        rows += [m if m.is_contiguous() else m.contiguous() for m in x.reshape(-1, *x.shape[-2:]).unbind(0)]
     return rows
 
 

@@ -107,6 +107,11 @@ class Ring:
                 "one process holding the whole sequence calls dot_product_attention"
             )
         check_sizes(layout, sizes)
+        if valid_lens is not None and tuple(ops.shape(valid_lens)) != (batch,):
+            raise ValueError(
+                f"valid_lens must have shape ({batch},): each whole sequence's length, got "
+                f"{tuple(ops.shape(valid_lens))}"
+            )
         self.ops, self.layout, self.sizes, self.world = ops, layout, list(sizes), len(sizes)
         self.valid_lens, self.score_mod, self.scale, self.attend = valid_lens, score_mod, scale, attend
         parts = ([mods.causal_mask()] if causal else []) + ([] if mask_mod is None else [mask_mod])
