@@ -137,6 +137,15 @@ def framework_of(x: Any) -> str | None:
     return found
 
 
+def register_graph_backend(name: str, value_type: type, module: ModuleType) -> None:
+    """A backend outside ``BACKENDS`` whose tensors are the values of a graph being built
+    (``multiattn.onnx``): ``framework_of`` knows its type and ``get_backend`` its module (the
+    ``ops`` that score and mask functions use), so those functions build graph operations."""
+    _framework_of_type[value_type] = name
+    _types_of.setdefault(name, set()).add(value_type)
+    _loaded[name] = module
+
+
 def known_types(name: str) -> set[type]:
     """The types seen so far to be tensors of backend ``name``: a live set, for a membership
     test on every call before the full check (``check_framework``) runs."""

@@ -1,0 +1,272 @@
+"""Attention as ONNX models: any framework's multiattn ``MultiHeadAttention`` (``export``) and the
+functional call with its masks (``export_attention``), each one ``Attention`` node (opset 23
+or 24) with its mask or bias computed from positions inside the graph, so the model runs at
+any batch size and sequence length; with ``cache=True`` a decoding step over past keys and
+values.  Needs the ``onnx`` package (``pip install ".[onnx]"``; onnxruntime to run them).
+
+Inputs: ``queries``, ``keys``, ``values``; ``valid_lens`` (batch,) int64 with ``lengths=True``;
+``attention_mask`` (batch, queries, keys) bool (True: may attend) with ``attention_mask=True``;
+``document_ids`` (batch, keys) int64 where ``mask_mod`` holds ``mods.document``; ``past_key``,
+``past_value`` with ``cache=True``.  Outputs: ``output`` (and ``present_key``,
+``present_value``).  Masks and scores mean what they mean in multiattn's calls: causality is
+top-left aligned at the queries' positions (``query_offset``, or the past's length), never
+left to the runtime's reading of ``is_causal``; a query that sees no key gives 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from .. import mods
+from .._registry import BackendImportError
+from .graph import Graph, Value, ops
+
+OPSETS = (23, 24)
+DTYPES = ("float32", "float16")
+__all__ = ["export", "export_attention", "OPSETS"]
+
+
+def _onnx() -> Any:
+    try:
+        import onnx
+    except ModuleNotFoundError as err:
+        raise BackendImportError(
+            "multiattn.onnx needs the 'onnx' package, which is not installed; install it with: "
+            'pip install ".[onnx]" in multiattn\'s clone (onnxruntime runs the models)'
+        ) from err
+    return onnx
+
+
+def export_attention(
+    path: Any = None, *, num_heads: int, head_dim: int, num_kv_heads: Optional[int] = None,
+    value_dim: Optional[int] = None, causal: bool = False, mask_mod: Any = None, score_mod: Any = None,
+    scale: Optional[float] = None, lengths: bool = False, attention_mask: bool = False, query_offset: int = 0,
+    cache: bool = False, opset: int = 23, dtype: str = "float32",
+) -> Any:  # fmt: skip
+    """``multiattn.dot_product_attention`` on 4-D inputs as an ONNX model (returned, and saved
+    to ``path`` where given): queries (batch, num_heads, queries, head_dim), keys (batch,
+    num_kv_heads, keys, head_dim), values (batch, num_kv_heads, keys, value_dim) -> output
+    (batch, num_heads, queries, value_dim); query head h reads key/value head h // (num_heads
+    / num_kv_heads).  With ``cache=True``: past_key, past_value (batch, num_kv_heads, past,
+    .) in, present_key, present_value (the past and these keys) out, queries at positions
+    past .. past + queries - 1 (``multiattn.cached_attention``'s step)."""
+    _onnx()
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    _check_heads(num_heads, num_kv_heads)
+    head_dim, value_dim = _size("head_dim", head_dim), _size("value_dim", head_dim if value_dim is None else value_dim)
+    spec = _Spec(num_heads, num_kv_heads, head_dim, causal, mask_mod, score_mod, scale, lengths,
+                 attention_mask, query_offset, cache, opset, dtype)  # fmt: skip
+    g = Graph(spec.dtype)
+    q = g.input("queries", spec.dtype, ("batch", num_heads, "queries", head_dim))
+    k = g.input("keys", spec.dtype, ("batch", num_kv_heads, "keys", head_dim))
+    v = g.input("values", spec.dtype, ("batch", num_kv_heads, "keys", value_dim))
+    outputs = _attend(g, q, k, v, spec, value_dim)
+    return _save(g.model(outputs, opset, doc=f"multiattn.onnx.export_attention: {spec}"), path)
+
+
+def export(
+    layer: Any, path: Any = None, *, opset: int = 23, cache: bool = False, causal: bool = False,
+    lengths: bool = False, attention_mask: bool = False, mask_mod: Any = None, score_mod: Any = None,
+    dtype: str = "float32",
+) -> Any:  # fmt: skip
+    """A multiattn ``MultiHeadAttention`` of any framework as an ONNX model (returned, and saved
+    to ``path`` where given), from its canonical weights (``get_weights()``): queries (batch,
+    queries, query_size), keys (batch, keys, key_size), values (batch, keys, value_size) ->
+    output (batch, queries, num_hiddens): the projections, one ``Attention`` node, the output
+    projection.  ``lengths=True``: valid_lens (batch,) as the layer's call takes them.  With
+    ``cache=True``: past_key, past_value (batch, num_kv_heads, past, num_hiddens / num_heads)
+    of the projected keys and values in, present_key, present_value out (the layer's call
+    with ``cache=``)."""
+    _onnx()
+    if not (callable(getattr(layer, "get_weights", None)) and hasattr(layer, "num_heads")):
+        raise TypeError(
+            f"layer must be a multiattn MultiHeadAttention (of any framework), got {type(layer).__name__}"
+        )
+    weights = {name: np.asarray(w) for name, w in layer.get_weights().items()}
+    heads = layer.num_heads
+    kv_heads = getattr(layer, "num_kv_heads", None) or heads
+    head_dim = layer.num_hiddens // heads
+    spec = _Spec(heads, kv_heads, head_dim, causal, mask_mod, score_mod, None, lengths, attention_mask, 0,
+                 cache, opset, dtype)  # fmt: skip
+    g = Graph(spec.dtype)
+    sizes = (layer.query_size, layer.key_size, layer.value_size)
+    x = {n: g.input(n, spec.dtype, ("batch", s, size)) for n, s, size in zip(
+        ("queries", "keys", "values"), ("queries", "keys", "keys"), sizes)}  # fmt: skip
+
+    def project(name: str, x: Value) -> Value:
+        W = g.constant(weights["W_" + name].T, spec.dtype, hint="W_" + name)
+        y = g.op("MatMul", [x, W], spec.dtype, x.shape[:-1] + W.shape[-1:])
+        bias = weights.get("b_" + name)
+        return y if bias is None else y + g.constant(bias, spec.dtype, hint="b_" + name)
+
+    q, k, v = (project(n, x[full]) for n, full in zip("qkv", ("queries", "keys", "values")))
+    outputs = _attend(g, q, k, v, spec, head_dim)
+    outputs["output"] = project("o", outputs["output"])
+    return _save(g.model(outputs, opset, doc=f"multiattn.onnx.export of {type(layer).__name__}: {spec}"), path)
+
+
+# -- what both build -------------------------------------------------------------------------
+
+
+class _Spec:
+    """An export's arguments, checked (ValueError or TypeError naming the argument)."""
+
+    def __init__(self, heads, kv_heads, head_dim, causal, mask_mod, score_mod, scale, lengths,
+                 attention_mask, query_offset, cache, opset, dtype) -> None:  # fmt: skip
+        if opset not in OPSETS:
+            raise ValueError(f"opset must be one of {OPSETS} (ONNX's Attention node), got {opset!r}")
+        if str(dtype) not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+        for arg, flag in (("causal", causal), ("lengths", lengths), ("attention_mask", attention_mask),
+                          ("cache", cache)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise TypeError(f"{arg} must be True or False, got {flag!r}")
+        if isinstance(query_offset, bool) or not isinstance(query_offset, int):
+            raise TypeError(f"query_offset must be an int (the first query's position), got {query_offset!r}")
+        if cache and query_offset:
+            raise ValueError("cache=True places the queries after the past keys: query_offset must be 0")
+        for arg, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+            if fn is not None and not callable(fn) and fn is not mods.document:
+                raise TypeError(f"{arg} must be a function (as in multiattn.mods) or None, got {fn!r}")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+            raise ValueError(f"scale must be a number > 0 or None (1 / sqrt(head_dim)), got {scale!r}")
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.causal, self.mask_mod, self.score_mod = causal, mask_mod, score_mod
+        self.scale = float(1 / math.sqrt(head_dim) if scale is None else scale)
+        self.lengths, self.attention_mask, self.query_offset = lengths, attention_mask, query_offset
+        self.cache, self.opset, self.dtype = cache, opset, np.dtype(str(dtype))
+
+    def __str__(self) -> str:
+        shown = dict(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, causal=self.causal,
+                     mask_mod=self.mask_mod, score_mod=self.score_mod, scale=self.scale, lengths=self.lengths,
+                     attention_mask=self.attention_mask, query_offset=self.query_offset, cache=self.cache)  # fmt: skip
+        return ", ".join(f"{k}={v!r}" for k, v in shown.items() if v not in (None, False, 0) or k == "scale")
+
+
+def _attend(g: Graph, q: Value, k: Value, v: Value, spec: _Spec, value_dim: int) -> dict:
+    """{"output": ..., and with a cache "present_key", "present_value"}: one ``Attention`` node
+    over q, k, v (4-D, or 3-D as the layers' projections give them), its mask or bias built here."""
+    three_d = q.ndim == 3
+    seq = 1 if three_d else 2
+    batch, n_queries = g.size(q, 0), g.size(q, seq)
+    past_key = past_value = None
+    n_keys: Any = g.size(k, seq)
+    offset: Any = spec.query_offset
+    if spec.cache:
+        past_key = g.input("past_key", spec.dtype, ("batch", spec.kv_heads, "past", spec.head_dim))
+        past_value = g.input("past_value", spec.dtype, ("batch", spec.kv_heads, "past", value_dim))
+        offset = g.size(past_key, 2)
+        n_keys = offset + n_keys
+    first = n_queries if isinstance(offset, int) and offset == 0 else offset + n_queries
+    block = (offset, first, 0, n_keys)  # the queries at their positions, every key
+    like = q
+
+    mask, nonpad = None, None
+    fns = ([mods.causal_mask()] if spec.causal else []) + ([_with_ids(g, spec.mask_mod)] if spec.mask_mod else [])
+    for fn in fns:
+        found = fn.values(ops, like, spec.heads, block, batch)
+        mask = found if mask is None else ops.logical_and(mask, found)
+    if spec.lengths:
+        lens = g.input("valid_lens", np.int64, ("batch",))
+        if spec.opset >= 24 and not spec.cache:  # ONNX forbids nonpad_kv_seqlen beside a past
+            nonpad = lens
+        else:
+            keys = ops.reshape(ops.positions(0, n_keys, like), (1, 1, 1, -1))
+            found = keys < ops.reshape(lens, (-1, 1, 1, 1))
+            mask = found if mask is None else ops.logical_and(mask, found)
+    if spec.attention_mask:
+        given = ops.expand_dims(g.input("attention_mask", np.bool_, ("batch", "queries", "keys")), 1)
+        mask = given if mask is None else ops.logical_and(mask, given)
+
+    softcap, bias = None, None
+    if isinstance(spec.score_mod, mods.softcap):
+        softcap = spec.score_mod.c
+    elif spec.score_mod is not None:
+        bias = _bias(g, spec.score_mod, like, spec.heads, block, batch)
+    attn_mask = bias if mask is None else mask if bias is None else ops.select(mask, bias, -math.inf)
+    if attn_mask is not None:  # the queries and keys axes whole, as the runtimes want them
+        attn_mask = g.op("Expand", [attn_mask, g.shape_of(1, 1, n_queries, n_keys)], attn_mask.dtype, None)
+
+    attributes = dict(scale=spec.scale, is_causal=0)
+    if softcap is not None:
+        attributes["softcap"] = softcap
+    if three_d:
+        attributes.update(q_num_heads=spec.heads, kv_num_heads=spec.kv_heads)
+    inputs = [q, k, v, attn_mask, past_key, past_value] + ([nonpad] if nonpad is not None else [])
+    out_shape = (None, None, spec.heads * value_dim) if three_d else (None, spec.heads, None, value_dim)
+    if not spec.cache:
+        return {"output": g.op("Attention", inputs, spec.dtype, out_shape, **attributes)}
+    out, present_key, present_value = g.op("Attention", inputs, spec.dtype, out_shape, outputs=3, **attributes)
+    present_key.shape, present_value.shape = past_key.shape, past_value.shape
+    return {"output": out, "present_key": present_key, "present_value": present_value}
+
+
+def _with_ids(g: Graph, fn: Any) -> mods.MaskFunction:
+    """fn with every ``mods.document`` in it reading the graph's input document_ids (batch, keys)."""
+    if fn is mods.document or isinstance(fn, mods.document):
+        ids = [x for x in g.inputs if x.name == "document_ids"]
+        found = Value(g, "document_ids", np.int64, (None, None))
+        if not ids:
+            g.input("document_ids", np.int64, ("batch", "keys"))
+        return mods.document(found, found)
+    if isinstance(fn, (mods.and_masks, mods.or_masks)):
+        return type(fn)(*[_with_ids(g, part) for part in fn.fns])
+    if isinstance(fn, mods.at_offset):
+        return mods.at_offset(_with_ids(g, fn.fn), fn.offset, fn.kv_offset)
+    return mods.as_mask_function(fn)
+
+
+def _bias(g: Graph, score_mod: Any, like: Value, heads: int, block: tuple, batch: Value) -> Value:
+    """What score_mod adds to the scores (score + f(b, h, q_idx, kv_idx)), as graph operations;
+    ValueError for a function that does something else with them (the node takes a bias)."""
+    score = Value(g, g.fresh("score"), like.dtype, (None, heads, None, None))
+    found = mods.apply_score_mod(ops, score_mod, score, block, batch)
+    producer = {out: node for node in g.nodes for out in node.output}
+    node = producer.get(found.name)
+    if node is not None and node.op_type == "Add" and score.name in node.input:
+        other = node.input[1] if node.input[0] == score.name else node.input[0]
+        if score.name not in _ancestors(producer, other):
+            return Value(g, other, like.dtype, (None, None, None, None))
+    raise ValueError(
+        f"score_mod {score_mod!r} must add a bias to the scores (score + f(b, h, q_idx, kv_idx)) or be "
+        "multiattn.mods.softcap: ONNX's Attention node takes a bias and a soft-cap, not other functions of "
+        "the scores"
+    )
+
+
+def _ancestors(producer: dict, name: str) -> set:
+    seen, stack = set(), [name]
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        node = producer.get(tensor)
+        if node is not None:
+            stack.extend(i for i in node.input if i)
+    return seen
+
+
+def _check_heads(heads: Any, kv_heads: Any) -> None:
+    _size("num_heads", heads)
+    _size("num_kv_heads", kv_heads)
+    if heads % kv_heads:
+        raise ValueError(f"num_kv_heads must divide num_heads={heads}, got {kv_heads}")
+
+
+def _size(arg: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{arg} must be an int >= 1, got {value!r}")
+    return int(value)
+
+
+def _save(model: Any, path: Any) -> Any:
+    onnx = _onnx()
+    onnx.checker.check_model(model)
+    if path is not None:
+        onnx.save(model, path)
+    return model
+
