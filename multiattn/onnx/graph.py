@@ -353,6 +353,8 @@ class GraphOps:
             b, a = y._pair(x)
         else:
             a, b = g.value(x), g.value(y)
+        if a.dtype.kind == "b":  # onnxruntime has no Where of booleans
+            return (condition & a) | (~condition & b)
         return g.op("Where", [condition, a, b], a.dtype, _broadcast(condition.shape, _broadcast(a.shape, b.shape)))
 
     def logical_and(self, a: Value, b: Value) -> Value:

@@ -1,0 +1,169 @@
+"""ONNX export (``multiattn.onnx``): every framework's ``MultiHeadAttention`` as one ``Attention``
+node between its projections, run by onnxruntime at sequence lengths the export never saw;
+the functional call with each mask and score function against the float64 reference, in
+onnxruntime and in onnx's reference evaluator, at opsets 23 and 24; a decoding model step by
+step against ``cached_attention``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import multiattn
+from multiattn import mods
+
+from . import reference
+
+B, H, KV, D = 2, 4, 2, 4
+TABLE = np.linspace(-0.5, 0.5, 2 * 9 * H).reshape(H, 2 * 9)  # a relative-position bias per head
+
+
+def _session(model):
+    import onnxruntime  # the onnx extra; a missing one fails here, never skips
+
+    return onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _attention_nodes(model) -> int:
+    return [node.op_type for node in model.graph.node].count("Attention")
+
+
+@pytest.mark.layers
+@pytest.mark.parametrize("kv_heads, bias, masks", [(None, False, {}), (KV, True, {"causal": True, "lengths": True})])
+def test_each_frameworks_layer_exports_and_runs_at_other_lengths(bk, kv_heads, bias, masks, tmp_path):
+    from multiattn.onnx import export
+
+    layer = bk.multi_head(16, H, bias=bias, num_kv_heads=kv_heads, query_size=12, key_size=10, value_size=6)
+    path = tmp_path / "mha.onnx"
+    model = export(layer, path, **masks)
+    assert _attention_nodes(model) == 1 and path.stat().st_size > 0
+    session = _session(model)
+    rng = np.random.default_rng(0)
+    for n_queries, n_keys in ((3, 3), (11, 11)) if masks else ((3, 7), (11, 5)):
+        x = {n: rng.normal(size=(B, s, w)).astype(np.float32) for n, s, w in (
+            ("queries", n_queries, 12), ("keys", n_keys, 10), ("values", n_keys, 6))}  # fmt: skip
+        lens = np.array([n_keys - 1, 2])
+        feeds = dict(x, valid_lens=lens) if masks.get("lengths") else x
+        want = bk.call(layer, *(bk.tensor(x[n], "float32") for n in ("queries", "keys", "values")),
+                       bk.tensor(lens) if masks.get("lengths") else None, causal=masks.get("causal", False))  # fmt: skip
+        got = session.run(None, feeds)[0]
+        np.testing.assert_allclose(got, bk.numpy(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.layers
+def test_a_layers_decoding_model_steps_as_its_call_with_a_cache(bk):
+    from multiattn.onnx import export
+
+    layer = bk.multi_head(16, H, bias=True, num_kv_heads=KV)
+    session = _session(export(layer, cache=True, causal=True))
+    x = np.random.default_rng(1).normal(size=(B, 8, 16)).astype(np.float32)
+    cache = layer.new_cache(B, like=bk.tensor(x, "float32"))
+    past = np.zeros((B, KV, 0, 16 // H), np.float32)
+    feeds = {"past_key": past, "past_value": past}
+    for lo, hi in [(0, 4)] + [(t, t + 1) for t in range(4, 8)]:
+        part = x[:, lo:hi]
+        want, cache = bk.call(layer, *(bk.tensor(part, "float32"),) * 3, causal=True, cache=cache)
+        got, feeds["past_key"], feeds["past_value"] = session.run(
+            None, dict(feeds, queries=part, keys=part, values=part)
+        )
+        np.testing.assert_allclose(got, bk.numpy(want), atol=2e-5, rtol=0)
+
+
+def _user_score(score, b, h, q_idx, kv_idx):  # a float constant times the positions
+    return score + 0.05 * (q_idx - kv_idx)
+
+
+def _user_table(score, b, h, q_idx, kv_idx):  # a captured numpy table read at the positions
+    return score + mods.take(TABLE, h, q_idx - kv_idx + 9)
+
+
+# name: (export keywords, the reference's keywords (mask_fn, score_fn, causal), queries, keys)
+CASES = {
+    "lengths": ({"lengths": True}, {}, 5, 7),
+    "causal, fewer queries than keys": ({"causal": True}, {"causal": True}, 3, 7),
+    "causal at query_offset 4": ({"causal": True, "query_offset": 4}, {"mask_fn": lambda b, h, i, j: j <= i + 4}, 3, 7),
+    "boolean mask and lengths": ({"attention_mask": True, "lengths": True}, {}, 5, 7),
+    "sliding_window": ({"mask_mod": mods.sliding_window(3)}, {"mask_fn": lambda b, h, i, j: 0 <= i - j < 3}, 6, 6),
+    "document": ({"mask_mod": mods.document}, {"mask_fn": "documents"}, 6, 6),
+    "alibi, causal": (
+        {"score_mod": mods.alibi(mods.alibi_slopes(H)), "causal": True},
+        {"score_fn": lambda s, b, h, i, j: s + mods.alibi_slopes(H)[h] * (j - i), "causal": True}, 5, 5,
+    ),
+    "softcap, lengths": ({"score_mod": mods.softcap(0.7), "lengths": True},
+                         {"score_fn": lambda s, b, h, i, j: 0.7 * np.tanh(s / 0.7)}, 5, 7),  # fmt: skip
+    "user's float score, user's mask": (
+        {"score_mod": _user_score, "mask_mod": lambda b, h, q, k: mods.logical_or(k <= q, (q - k) % 3 == 1)},
+        {"score_fn": lambda s, b, h, i, j: s + 0.05 * (i - j), "mask_fn": lambda b, h, i, j: j <= i or (i - j) % 3 == 1},
+        5, 7,
+    ),
+    "user's table": ({"score_mod": _user_table}, {"score_fn": lambda s, b, h, i, j: s + TABLE[h, i - j + 9]}, 5, 7),
+}
+_EXPECTED: dict = {}
+
+
+@pytest.mark.backend("numpy")
+@pytest.mark.parametrize("opset", [23, 24])
+@pytest.mark.parametrize("case", list(CASES))
+def test_exported_calls_match_the_float64_reference(case, opset):
+    from onnx.reference import ReferenceEvaluator
+
+    from multiattn.onnx import export_attention
+
+    given, ref, n_queries, n_keys = CASES[case]
+    model = export_attention(num_heads=H, num_kv_heads=KV, head_dim=D, opset=opset, **given)
+    assert _attention_nodes(model) == 1
+    rng = np.random.default_rng(len(case))
+    feeds = {
+        "queries": rng.normal(size=(B, H, n_queries, D)).astype(np.float32),
+        "keys": rng.normal(size=(B, KV, n_keys, D)).astype(np.float32),
+        "values": rng.normal(size=(B, KV, n_keys, D)).astype(np.float32),
+    }
+    ref = dict(ref)
+    if given.get("lengths"):
+        feeds["valid_lens"] = np.array([n_keys - 2, 0])  # a sequence with no key: its rows are 0
+        ref["valid_lens"] = feeds["valid_lens"]
+    if given.get("attention_mask"):
+        feeds["attention_mask"] = rng.random((B, n_queries, n_keys)) < 0.6
+        ref["attention_mask"] = feeds["attention_mask"]
+    if ref.get("mask_fn") == "documents":
+        ids = np.array([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
+        feeds["document_ids"], ref["mask_fn"] = ids, lambda b, h, i, j: ids[b, i] == ids[b, j]
+    if case not in _EXPECTED:
+        _EXPECTED[case] = reference.heads_attention(feeds["queries"], feeds["keys"], feeds["values"], **ref)[0]
+    want = _EXPECTED[case]
+    got = _session(model).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    np.testing.assert_allclose(ReferenceEvaluator(model).run(None, feeds)[0], want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.backend("numpy")
+def test_a_decoding_model_steps_as_cached_attention_after_a_prefill():
+    from multiattn.onnx import export_attention
+
+    session = _session(export_attention(num_heads=H, num_kv_heads=KV, head_dim=D, causal=True, cache=True))
+    rng = np.random.default_rng(2)
+    cache = multiattn.KVCache(B, KV, D, like=np.zeros(1, np.float32))
+    past = np.zeros((B, KV, 0, D), np.float32)
+    feeds = {"past_key": past, "past_value": past}
+    for n in [6] + [1] * 20:  # a prefill, then 20 steps
+        q, k, v = (rng.normal(size=(B, heads, n, D)).astype(np.float32) for heads in (H, KV, KV))
+        want, cache = multiattn.cached_attention(q, k, v, cache, causal=True)
+        got, feeds["past_key"], feeds["past_value"] = session.run(None, dict(feeds, queries=q, keys=k, values=v))
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    assert feeds["past_key"].shape == (B, KV, 26, D)
+
+
+@pytest.mark.backend("numpy")
+def test_what_the_node_cannot_take_is_refused_naming_the_argument():
+    from multiattn.onnx import export, export_attention
+
+    with pytest.raises(ValueError, match="opset must be one of"):
+        export_attention(num_heads=H, head_dim=D, opset=22)
+    with pytest.raises(ValueError, match="num_kv_heads must divide num_heads=4, got 3"):
+        export_attention(num_heads=H, num_kv_heads=3, head_dim=D)
+    with pytest.raises(ValueError, match="must add a bias to the scores"):
+        export_attention(num_heads=H, head_dim=D, score_mod=lambda s, b, h, q, k: s * 2.0)
+    with pytest.raises(ValueError, match="query_offset must be 0"):
+        export_attention(num_heads=H, head_dim=D, cache=True, query_offset=3)
+    with pytest.raises(TypeError, match="layer must be a multiattn MultiHeadAttention"):
+        export(multiattn.backends.numpy.DotProductAttention())
