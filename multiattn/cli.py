@@ -28,6 +28,20 @@ def _backend_list(text: str) -> List[str]:
     return names
 
 
+def _native_list(text: str) -> List[str]:
+    """--native's comma-separated frameworks: backends, or onnxruntime (numpy arrays in)."""
+    from .check.native_wrappers import FRAMEWORKS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FRAMEWORKS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"--native: unknown framework {(unknown or [text])[0]!r}; those with attention of their own: "
+            f"{', '.join(FRAMEWORKS)}"
+        )
+    return names
+
+
 def _tolerance(text: str) -> tuple:
     from .check.cases import DTYPES
 
@@ -168,7 +182,7 @@ def cmd_native(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--native runs each framework's own attention: {', '.join(others)} does not go with it"
         )
-    asked = args.backends or installed_backends()
+    asked = args.native if isinstance(args.native, list) else args.backends or installed_backends()
     backends = [b for b in asked if b in FRAMEWORKS]
     if not backends:
         raise ValueError(
@@ -244,9 +258,14 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="PATH", help="also write the results (arrays included) as JSON")
     check.add_argument(
         "--native",
-        action="store_true",
+        nargs="?",
+        const=True,
+        default=False,
+        type=_native_list,
+        metavar="FRAMEWORKS",
         help="run each framework's OWN attention (torch SDPA and nn.MultiheadAttention, Keras, jax/flax, "
-        "paddle, mlx, d2l where importable) through the same cases: where they disagree; exit 0",
+        "paddle, mlx, d2l where importable; onnxruntime's Attention node when named: --native onnxruntime) "
+        "through the same cases: where they disagree; exit 0",
     )
     check.add_argument(
         "--markdown", metavar="PATH", help="with --native: also write the tables as a Markdown page"

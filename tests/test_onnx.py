@@ -6,6 +6,12 @@ step against ``cached_attention``."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -29,7 +35,10 @@ def _attention_nodes(model) -> int:
 
 
 @pytest.mark.layers
-@pytest.mark.parametrize("kv_heads, bias, masks", [(None, False, {}), (KV, True, {"causal": True, "lengths": True})])
+@pytest.mark.parametrize("kv_heads, bias, masks", [
+    (None, False, {}), (None, True, {"causal": True}), (KV, False, {"lengths": True}),
+    (KV, True, {"causal": True, "lengths": True}),
+])  # fmt: skip
 def test_each_frameworks_layer_exports_and_runs_at_other_lengths(bk, kv_heads, bias, masks, tmp_path):
     from multiattn.onnx import export
 
@@ -39,7 +48,7 @@ def test_each_frameworks_layer_exports_and_runs_at_other_lengths(bk, kv_heads, b
     assert _attention_nodes(model) == 1 and path.stat().st_size > 0
     session = _session(model)
     rng = np.random.default_rng(0)
-    for n_queries, n_keys in ((3, 3), (11, 11)) if masks else ((3, 7), (11, 5)):
+    for n_queries, n_keys in ((3, 3), (11, 11)) if masks.get("causal") else ((3, 7), (11, 5)):
         x = {n: rng.normal(size=(B, s, w)).astype(np.float32) for n, s, w in (
             ("queries", n_queries, 12), ("keys", n_keys, 10), ("values", n_keys, 6))}  # fmt: skip
         lens = np.array([n_keys - 1, 2])
@@ -167,3 +176,47 @@ def test_what_the_node_cannot_take_is_refused_naming_the_argument():
         export_attention(num_heads=H, head_dim=D, cache=True, query_offset=3)
     with pytest.raises(TypeError, match="layer must be a multiattn MultiHeadAttention"):
         export(multiattn.backends.numpy.DotProductAttention())
+
+
+@pytest.mark.backend("numpy")
+def test_a_float16_model_runs_in_float16():
+    from multiattn.onnx import export
+
+    layer = multiattn.backends.numpy.MultiHeadAttention(16, H, num_kv_heads=KV, seed=0)
+    model = export(layer, causal=True, dtype="float16")
+    x = np.random.default_rng(3).normal(size=(B, 6, 16))
+    got = _session(model).run(None, {n: x.astype(np.float16) for n in ("queries", "keys", "values")})[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got, layer(x, x, x, causal=True), atol=5e-3, rtol=0)
+
+
+@pytest.mark.backend("numpy")
+def test_check_native_onnxruntime_names_what_the_runtime_does():
+    from multiattn.check import native
+
+    summary = dict(native.summarize(native.run_framework("onnxruntime")))
+    # float32 and float16 agree on every mask at opset 23; float64 is at float32's accuracy
+    assert set(summary["onnxruntime Attention (opset 23)"].values()) == {native.FLOAT32_ACCURACY}
+    assert "out of range" in summary["onnxruntime Attention (opset 24)"]["1d"]
+    grouped = summary["onnxruntime Attention (grouped heads)"]
+    assert {grouped[m] for m in ("none", "1d", "2d", "mask", "causal", "all")} == {"agree"}
+
+
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "onnx.md"
+PAGE_BLOCK = {"tensorflow": "backends.tensorflow", "jax": "backends.jax", "paddle": "backends.paddle",
+              "numpy": "export_attention"}  # fmt: skip
+
+
+def test_the_onnx_page_examples_print_what_their_comments_say(bk):
+    """docs/onnx.md's examples: the Keras one in the tensorflow env, flax's in jax's, paddle's in
+    paddle's, the decoding one in numpy's; each print's comment is its output."""
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+    assert len(blocks) == 4
+    mine = [block for block in blocks if bk.name in PAGE_BLOCK and PAGE_BLOCK[bk.name] in block]
+    assert len(mine) == (bk.name in PAGE_BLOCK)
+    for block in mine:
+        result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True, timeout=300,
+                                cwd=tempfile.mkdtemp())  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        said = [line.split("# ", 1)[1] for line in block.splitlines() if line.startswith("print(")]
+        assert result.stdout.splitlines() == said

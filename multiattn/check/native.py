@@ -15,7 +15,7 @@ from .. import reference
 from .._registry import get_backend
 from .against import cases_for, run_function
 from .cases import GROUPED_HEADS, GROUPED_KV_HEADS, MASKS, MOD_MASKS, NUM_HEADS, Case, tolerance
-from .native_wrappers import Implementation, absent, implementation_version, implementations
+from .native_wrappers import TENSORS, Implementation, absent, backend_of, implementation_version, implementations
 from .results import Results, framework_version
 from .table import build_rows
 
@@ -25,15 +25,14 @@ from .table import build_rows
 def run_implementation(impl: Implementation, seed: int = 0) -> dict:
     """``run_function``'s results for one implementation, with its label, kind and version;
     a case the native API cannot express is ``unsupported: <why>``."""
-    module = get_backend(impl.framework)
-    meta = {
-        "backend": impl.framework,
-        "kind": impl.kind,
-        "framework_version": framework_version(impl.framework),
-    }
+    module = get_backend(backend_of(impl.framework))
+    meta = {"backend": impl.framework, "kind": impl.kind, "framework_version": "?"}
     try:
         fn = impl.make()
-        results = run_function(fn, impl.kind, impl.framework, seed, mods=True)
+        results = run_function(fn, impl.kind, backend_of(impl.framework), seed, mods=True)
+        meta["framework_version"] = (
+            implementation_version(impl) if impl.framework in TENSORS else framework_version(impl.framework)
+        )
         results["version"] = implementation_version(impl)
     except Exception as err:
         return {"version": "?", "status": f"failed: {type(err).__name__}: {err}", "cases": {}, **meta}
@@ -53,7 +52,7 @@ def run_implementation(impl: Implementation, seed: int = 0) -> dict:
 
 def run_framework(framework: str, seed: int = 0) -> Results:
     """Every implementation of one framework, in this process: {label: results}."""
-    module = get_backend(framework)
+    module = get_backend(backend_of(framework))
     if hasattr(module, "enable_float64"):
         module.enable_float64()
     skip = absent(framework)

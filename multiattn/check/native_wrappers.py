@@ -532,6 +532,76 @@ def _d2l_multi_head() -> Callable:
     return fn
 
 
+def _attention_model(opset: int, dtype: Any, mask: bool, is_causal: bool, softcap: Any, lengths: bool) -> Any:
+    """An onnxruntime session of one ONNX ``Attention`` node over 4-D Q, K, V (and attn_mask, bool;
+    nonpad_kv_seqlen)."""
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    float_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    names = [("Q", float_type), ("K", float_type), ("V", float_type)] + [("attn_mask", TensorProto.BOOL)] * mask
+    inputs = [n for n, _ in names]
+    if lengths:  # the node's 7th input, after attn_mask, past_key and past_value
+        inputs = inputs + [""] * (6 - len(inputs)) + ["nonpad_kv_seqlen"]
+        names.append(("nonpad_kv_seqlen", TensorProto.INT64))
+    attributes = dict(is_causal=int(is_causal), **({"softcap": float(softcap)} if softcap else {}))
+    graph = helper.make_graph(
+        [helper.make_node("Attention", inputs, ["Y"], **attributes)], "attention",
+        [helper.make_tensor_value_info(n, t, None) for n, t in names], [helper.make_tensor_value_info("Y", float_type, None)],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4  # what it refuses is the row's status, not a log line
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
+    """onnxruntime's ``Attention`` node (CPU): dot_product on 3-D inputs as one head, or grouped
+    heads by hand; at opset 24, 1-D lengths as ``nonpad_kv_seqlen`` and ``is_causal`` beside a mask."""
+
+    def make() -> Callable:
+        sessions: Dict[tuple, Any] = {}
+
+        def attend(q, k, v, mask=None, is_causal=False, softcap=None, lens=None):
+            key = (opset, q.dtype.str, mask is not None, is_causal, softcap, lens is not None)
+            if key not in sessions:
+                sessions[key] = _attention_model(opset, q.dtype, *key[2:])
+            feeds = {"Q": q, "K": k, "V": v}
+            feeds.update({"attn_mask": mask} if mask is not None else {})
+            feeds.update({"nonpad_kv_seqlen": lens.astype(np.int64)} if lens is not None else {})
+            try:
+                return sessions[key].run(None, feeds)[0]
+            except Exception as err:  # its message's last sentence: what it refused
+                raise RuntimeError(str(err).rsplit("was false.", 1)[-1].strip()) from None
+
+        if kind == "grouped":
+            return _heads_by_hand("numpy", lambda q, k, v, mask: attend(q, k, v, mask))
+
+        def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, window=None,
+               documents=None, softcap=None):  # fmt: skip
+            lens, mask = _numpy(valid_lens), _numpy(attention_mask)
+            (B, Q, _), K = queries.shape, keys.shape[1]
+            nonpad = lens if opset >= 24 and lens is not None and lens.ndim == 1 else None
+            lens = None if nonpad is not None else lens
+            native_causal = causal and (opset >= 24 or (lens is None and mask is None and window is None
+                                                         and documents is None))  # fmt: skip
+            allowed = visible(lens, mask, causal and not native_causal, B, Q, K)
+            if window is not None or documents is not None:
+                allowed = np.ones((B, Q, K), bool) if allowed is None else allowed
+                i, j = np.arange(Q)[:, None], np.arange(K)[None, :]
+                if window is not None:
+                    allowed = allowed & (0 <= i - j) & (i - j < window)
+                if documents is not None:
+                    allowed = allowed & (documents[0][:, :, None] == documents[1][:, None, :])
+            given = [x[:, None] for x in (queries, keys, values)]  # one head: (B, 1, seq, width)
+            mask = None if allowed is None else allowed[:, None]
+            return attend(*given, mask=mask, is_causal=native_causal, softcap=softcap, lens=nonpad)[:, 0]
+
+        return fn
+
+    return make
+
+
 _SDPA_CAUSAL = "the native is_causal where causality is the only mask, else an explicit mask"
 IMPLEMENTATIONS: Tuple[Implementation, ...] = (
     Implementation(
@@ -702,8 +772,40 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         "valid_lens as they are; the canonical weights are d2l's `W_q`, ..., `W_o` (`nn.LazyLinear`)",
         "d2l",
     ),
+    Implementation(
+        "onnxruntime Attention (opset 23)",
+        "onnxruntime",
+        "dot_product",
+        _onnxruntime(23, "dot_product"),
+        "one `Attention` node (CPU), the 3-D inputs as one head; `attn_mask` (bool, True = attend) of "
+        f"lengths AND mask AND the window and documents' formulas; {_SDPA_CAUSAL}; soft-capping as its "
+        "`softcap`; values only (an inference runtime)",
+    ),
+    Implementation(
+        "onnxruntime Attention (opset 24)",
+        "onnxruntime",
+        "dot_product",
+        _onnxruntime(24, "dot_product"),
+        "as at opset 23, with 1-D lengths as `nonpad_kv_seqlen` and causality always as `is_causal` "
+        "(opset 24 takes it beside a mask)",
+    ),
+    Implementation(
+        "onnxruntime Attention (grouped heads)",
+        "onnxruntime",
+        "grouped",
+        _onnxruntime(23, "grouped"),
+        "the canonical weights' projections by hand, 4 query heads and 2 key/value heads given as they are "
+        "(opset 23), `attn_mask` (bool) of lengths AND mask AND causality",
+    ),
 )
 FRAMEWORKS = tuple(dict.fromkeys(impl.framework for impl in IMPLEMENTATIONS))
+# a native framework that is not a multiattn backend -> the backend whose arrays it takes
+TENSORS = {"onnxruntime": "numpy"}
+
+
+def backend_of(framework: str) -> str:
+    return TENSORS.get(framework, framework)
+
 
 
 def implementations(framework: Optional[str] = None) -> List[Implementation]:
@@ -733,7 +835,8 @@ def _numpy(tensor: Any) -> Optional[np.ndarray]:
 
 
 def implementation_version(impl: Implementation) -> str:
-    if impl.version:
-        module = sys.modules.get(impl.version) or importlib.import_module(impl.version)
+    if impl.version or impl.framework in TENSORS:
+        name = impl.version or impl.framework
+        module = sys.modules.get(name) or importlib.import_module(name)
         return str(getattr(module, "__version__", "?"))
     return framework_version(impl.framework)
