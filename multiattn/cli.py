@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from typing import Dict, List, Optional
 
@@ -172,7 +173,7 @@ def cmd_native(args: argparse.Namespace) -> int:
     """`check --native`: each framework's own attention through the battery; exit 0 with the
     table (a disagreement is a finding about the framework, not a failure)."""
     from .check import installed_backends, native_report, run_native
-    from .check.native_wrappers import FRAMEWORKS
+    from .check.native_wrappers import FRAMEWORKS, TENSORS
     from .check.results import split_absent
 
     others = [flag for flag, given in (("--against", args.against), ("--kind", args.kind),
@@ -182,7 +183,8 @@ def cmd_native(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--native runs each framework's own attention: {', '.join(others)} does not go with it"
         )
-    asked = args.native if isinstance(args.native, list) else args.backends or installed_backends()
+    runtimes = [name for name in TENSORS if importlib.util.find_spec(name) is not None]  # onnxruntime
+    asked = args.native if isinstance(args.native, list) else args.backends or installed_backends() + runtimes
     backends = [b for b in asked if b in FRAMEWORKS]
     if not backends:
         raise ValueError(
