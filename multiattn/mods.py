@@ -75,7 +75,8 @@ def take(table: Tensor, *indices: Any) -> Tensor:
     """table[i, j, ...] elementwise, the index arrays (positions, or integer arrays of the
     backend) broadcast together, one per axis of table: ``table[q_idx - kv_idx]`` on torch,
     numpy or jax, on every backend (tensorflow and the Array API index arrays by take)."""
-    ops = _ops_of(*indices, table)  # the positions' backend: a graph's (``multiattn.onnx``) takes numpy tables
+    # the positions' backend first: a graph's (``multiattn.onnx``) takes numpy tables
+    ops = _ops_of(*indices, table)
     shape = ops.shape(table)
     if len(indices) != len(shape):
         raise ValueError(f"take needs one index array per axis of table, {len(shape)}, got {len(indices)}")

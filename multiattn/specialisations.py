@@ -57,8 +57,9 @@ class Specialisations:
     # -- step ``attend_past_memory``: no weights, scores past the budget ----------------------
 
     def attend_by_flash_kernel(
-        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float, need_lse: bool = False
-    ) -> Offer:
+        self, queries: Tensor, keys: Tensor, values: Tensor, masks: Masks, scale: float,
+        need_lse: bool = False,
+    ) -> Offer:  # fmt: skip
         """(output, lse (B, [H,] Q) or None) from a framework's kernel that, like the core's
         blocks (``blockwise``), never holds the scores whole and is faster than them; with
         need_lse, only where the kernel gives the lse."""

@@ -53,8 +53,9 @@ def test_each_frameworks_layer_exports_and_runs_at_other_lengths(bk, kv_heads, b
             ("queries", n_queries, 12), ("keys", n_keys, 10), ("values", n_keys, 6))}  # fmt: skip
         lens = np.array([n_keys - 1, 2])
         feeds = dict(x, valid_lens=lens) if masks.get("lengths") else x
-        want = bk.call(layer, *(bk.tensor(x[n], "float32") for n in ("queries", "keys", "values")),
-                       bk.tensor(lens) if masks.get("lengths") else None, causal=masks.get("causal", False))  # fmt: skip
+        given = [bk.tensor(x[n], "float32") for n in ("queries", "keys", "values")]
+        lengths = bk.tensor(lens) if masks.get("lengths") else None
+        want = bk.call(layer, *given, lengths, causal=masks.get("causal", False))
         got = session.run(None, feeds)[0]
         np.testing.assert_allclose(got, bk.numpy(want), atol=2e-5, rtol=0)
 
@@ -90,22 +91,47 @@ def _user_table(score, b, h, q_idx, kv_idx):  # a captured numpy table read at t
 CASES = {
     "lengths": ({"lengths": True}, {}, 5, 7),
     "causal, fewer queries than keys": ({"causal": True}, {"causal": True}, 3, 7),
-    "causal at query_offset 4": ({"causal": True, "query_offset": 4}, {"mask_fn": lambda b, h, i, j: j <= i + 4}, 3, 7),
+    "causal at query_offset 4": (
+        {"causal": True, "query_offset": 4},
+        {"mask_fn": lambda b, h, i, j: j <= i + 4},
+        3,
+        7,
+    ),
     "boolean mask and lengths": ({"attention_mask": True, "lengths": True}, {}, 5, 7),
-    "sliding_window": ({"mask_mod": mods.sliding_window(3)}, {"mask_fn": lambda b, h, i, j: 0 <= i - j < 3}, 6, 6),
+    "sliding_window": (
+        {"mask_mod": mods.sliding_window(3)},
+        {"mask_fn": lambda b, h, i, j: 0 <= i - j < 3},
+        6,
+        6,
+    ),
     "document": ({"mask_mod": mods.document}, {"mask_fn": "documents"}, 6, 6),
     "alibi, causal": (
         {"score_mod": mods.alibi(mods.alibi_slopes(H)), "causal": True},
-        {"score_fn": lambda s, b, h, i, j: s + mods.alibi_slopes(H)[h] * (j - i), "causal": True}, 5, 5,
+        {"score_fn": lambda s, b, h, i, j: s + mods.alibi_slopes(H)[h] * (j - i), "causal": True},
+        5,
+        5,
     ),
-    "softcap, lengths": ({"score_mod": mods.softcap(0.7), "lengths": True},
-                         {"score_fn": lambda s, b, h, i, j: 0.7 * np.tanh(s / 0.7)}, 5, 7),  # fmt: skip
+    "softcap, lengths": (
+        {"score_mod": mods.softcap(0.7), "lengths": True},
+        {"score_fn": lambda s, b, h, i, j: 0.7 * np.tanh(s / 0.7)},
+        5,
+        7,
+    ),  # fmt: skip
     "user's float score, user's mask": (
         {"score_mod": _user_score, "mask_mod": lambda b, h, q, k: mods.logical_or(k <= q, (q - k) % 3 == 1)},
-        {"score_fn": lambda s, b, h, i, j: s + 0.05 * (i - j), "mask_fn": lambda b, h, i, j: j <= i or (i - j) % 3 == 1},
-        5, 7,
+        {
+            "score_fn": lambda s, b, h, i, j: s + 0.05 * (i - j),
+            "mask_fn": lambda b, h, i, j: j <= i or (i - j) % 3 == 1,
+        },
+        5,
+        7,
     ),
-    "user's table": ({"score_mod": _user_table}, {"score_fn": lambda s, b, h, i, j: s + TABLE[h, i - j + 9]}, 5, 7),
+    "user's table": (
+        {"score_mod": _user_table},
+        {"score_fn": lambda s, b, h, i, j: s + TABLE[h, i - j + 9]},
+        5,
+        7,
+    ),
 }
 _EXPECTED: dict = {}
 
@@ -138,7 +164,9 @@ def test_exported_calls_match_the_float64_reference(case, opset):
         ids = np.array([[0, 0, 1, 1, 1, 2], [0, 1, 1, 1, 1, 1]])
         feeds["document_ids"], ref["mask_fn"] = ids, lambda b, h, i, j: ids[b, i] == ids[b, j]
     if case not in _EXPECTED:
-        _EXPECTED[case] = reference.heads_attention(feeds["queries"], feeds["keys"], feeds["values"], **ref)[0]
+        _EXPECTED[case] = reference.heads_attention(feeds["queries"], feeds["keys"], feeds["values"], **ref)[
+            0
+        ]
     want = _EXPECTED[case]
     got = _session(model).run(None, feeds)[0]
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
@@ -157,7 +185,9 @@ def test_a_decoding_model_steps_as_cached_attention_after_a_prefill():
     for n in [6] + [1] * 20:  # a prefill, then 20 steps
         q, k, v = (rng.normal(size=(B, heads, n, D)).astype(np.float32) for heads in (H, KV, KV))
         want, cache = multiattn.cached_attention(q, k, v, cache, causal=True)
-        got, feeds["past_key"], feeds["past_value"] = session.run(None, dict(feeds, queries=q, keys=k, values=v))
+        got, feeds["past_key"], feeds["past_value"] = session.run(
+            None, dict(feeds, queries=q, keys=k, values=v)
+        )
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
     assert feeds["past_key"].shape == (B, KV, 26, D)
 

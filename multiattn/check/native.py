@@ -15,7 +15,14 @@ from .. import reference
 from .._registry import get_backend
 from .against import cases_for, run_function
 from .cases import GROUPED_HEADS, GROUPED_KV_HEADS, MASKS, MOD_MASKS, NUM_HEADS, Case, tolerance
-from .native_wrappers import TENSORS, Implementation, absent, backend_of, implementation_version, implementations
+from .native_wrappers import (
+    TENSORS,
+    Implementation,
+    absent,
+    backend_of,
+    implementation_version,
+    implementations,
+)
 from .results import Results, framework_version
 from .table import build_rows
 

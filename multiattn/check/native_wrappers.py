@@ -539,7 +539,9 @@ def _attention_model(opset: int, dtype: Any, mask: bool, is_causal: bool, softca
     from onnx import TensorProto, helper
 
     float_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    names = [("Q", float_type), ("K", float_type), ("V", float_type)] + [("attn_mask", TensorProto.BOOL)] * mask
+    names = [("Q", float_type), ("K", float_type), ("V", float_type)] + [
+        ("attn_mask", TensorProto.BOOL)
+    ] * mask
     inputs = [n for n, _ in names]
     if lengths:  # the node's 7th input, after attn_mask, past_key and past_value
         inputs = inputs + [""] * (6 - len(inputs)) + ["nonpad_kv_seqlen"]
@@ -547,12 +549,15 @@ def _attention_model(opset: int, dtype: Any, mask: bool, is_causal: bool, softca
     attributes = dict(is_causal=int(is_causal), **({"softcap": float(softcap)} if softcap else {}))
     graph = helper.make_graph(
         [helper.make_node("Attention", inputs, ["Y"], **attributes)], "attention",
-        [helper.make_tensor_value_info(n, t, None) for n, t in names], [helper.make_tensor_value_info("Y", float_type, None)],
+        [helper.make_tensor_value_info(n, t, None) for n, t in names],
+        [helper.make_tensor_value_info("Y", float_type, None)],
     )  # fmt: skip
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4  # what it refuses is the row's status, not a log line
-    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return onnxruntime.InferenceSession(
+        model.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
 
 
 def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
@@ -805,7 +810,6 @@ TENSORS = {"onnxruntime": "numpy"}
 
 def backend_of(framework: str) -> str:
     return TENSORS.get(framework, framework)
-
 
 
 def implementations(framework: Optional[str] = None) -> List[Implementation]:

@@ -56,7 +56,10 @@ def export_attention(
     _onnx()
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     _check_heads(num_heads, num_kv_heads)
-    head_dim, value_dim = _size("head_dim", head_dim), _size("value_dim", head_dim if value_dim is None else value_dim)
+    head_dim, value_dim = (
+        _size("head_dim", head_dim),
+        _size("value_dim", head_dim if value_dim is None else value_dim),
+    )
     spec = _Spec(num_heads, num_kv_heads, head_dim, causal, mask_mod, score_mod, scale, lengths,
                  attention_mask, query_offset, cache, opset, dtype)  # fmt: skip
     g = Graph(spec.dtype)
@@ -105,7 +108,9 @@ def export(
     q, k, v = (project(n, x[full]) for n, full in zip("qkv", ("queries", "keys", "values")))
     outputs = _attend(g, q, k, v, spec, head_dim)
     outputs["output"] = project("o", outputs["output"])
-    return _save(g.model(outputs, opset, doc=f"multiattn.onnx.export of {type(layer).__name__}: {spec}"), path)
+    return _save(
+        g.model(outputs, opset, doc=f"multiattn.onnx.export of {type(layer).__name__}: {spec}"), path
+    )
 
 
 # -- what both build -------------------------------------------------------------------------
@@ -131,7 +136,9 @@ class _Spec:
         for arg, fn in (("score_mod", score_mod), ("mask_mod", mask_mod)):
             if fn is not None and not callable(fn) and fn is not mods.document:
                 raise TypeError(f"{arg} must be a function (as in multiattn.mods) or None, got {fn!r}")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0):
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale <= 0
+        ):
             raise ValueError(f"scale must be a number > 0 or None (1 / sqrt(head_dim)), got {scale!r}")
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.causal, self.mask_mod, self.score_mod = causal, mask_mod, score_mod
@@ -140,9 +147,9 @@ class _Spec:
         self.cache, self.opset, self.dtype = cache, opset, np.dtype(str(dtype))
 
     def __str__(self) -> str:
-        shown = dict(heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim, causal=self.causal,
-                     mask_mod=self.mask_mod, score_mod=self.score_mod, scale=self.scale, lengths=self.lengths,
-                     attention_mask=self.attention_mask, query_offset=self.query_offset, cache=self.cache)  # fmt: skip
+        names = ("heads", "kv_heads", "head_dim", "causal", "mask_mod", "score_mod", "scale", "lengths",
+                 "attention_mask", "query_offset", "cache")  # fmt: skip
+        shown = {name: getattr(self, name) for name in names}
         return ", ".join(f"{k}={v!r}" for k, v in shown.items() if v not in (None, False, 0) or k == "scale")
 
 
@@ -165,7 +172,9 @@ def _attend(g: Graph, q: Value, k: Value, v: Value, spec: _Spec, value_dim: int)
     like = q
 
     mask, nonpad = None, None
-    fns = ([mods.causal_mask()] if spec.causal else []) + ([_with_ids(g, spec.mask_mod)] if spec.mask_mod else [])
+    fns = ([mods.causal_mask()] if spec.causal else []) + (
+        [_with_ids(g, spec.mask_mod)] if spec.mask_mod else []
+    )
     for fn in fns:
         found = fn.values(ops, like, spec.heads, block, batch)
         mask = found if mask is None else ops.logical_and(mask, found)
@@ -199,7 +208,9 @@ def _attend(g: Graph, q: Value, k: Value, v: Value, spec: _Spec, value_dim: int)
     out_shape = (None, None, spec.heads * value_dim) if three_d else (None, spec.heads, None, value_dim)
     if not spec.cache:
         return {"output": g.op("Attention", inputs, spec.dtype, out_shape, **attributes)}
-    out, present_key, present_value = g.op("Attention", inputs, spec.dtype, out_shape, outputs=3, **attributes)
+    out, present_key, present_value = g.op(
+        "Attention", inputs, spec.dtype, out_shape, outputs=3, **attributes
+    )
     present_key.shape, present_value.shape = past_key.shape, past_value.shape
     return {"output": out, "present_key": present_key, "present_value": present_value}
 
@@ -269,4 +280,3 @@ def _save(model: Any, path: Any) -> Any:
     if path is not None:
         onnx.save(model, path)
     return model
-

@@ -101,10 +101,12 @@ class Graph:
             stack.extend(i for i in node.input if i)
         kept = [node for node in nodes if id(node) in needed]
         used = {i for node in kept for i in node.input}
+        infos = [
+            helper.make_tensor_value_info(n, _onnx_type(v.dtype), _dims(v.shape)) for n, v in outputs.items()
+        ]
         graph = helper.make_graph(
-            kept, "multiattn", self.inputs,
-            [helper.make_tensor_value_info(n, _onnx_type(v.dtype), _dims(v.shape)) for n, v in outputs.items()],
-            initializer=[_tensor(n, a) for n, a in self.initializers.items() if n in used], doc_string=doc,
+            kept, "multiattn", self.inputs, infos, doc_string=doc,
+            initializer=[_tensor(n, a) for n, a in self.initializers.items() if n in used],
         )  # fmt: skip
         return helper.make_model(
             graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10, producer_name="multiattn"
@@ -162,7 +164,9 @@ class Value:
         return f"Value({self.name!r}, {self.dtype}, {self.shape})"
 
     def __bool__(self) -> bool:
-        raise TypeError("positions are arrays: combine conditions with mods.where / logical_and, not if/and/or")
+        raise TypeError(
+            "positions are arrays: combine conditions with mods.where / logical_and, not if/and/or"
+        )
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -226,11 +230,15 @@ class Value:
 
     def __mod__(self, other):
         a, b = self._pair(other)
-        return self.graph.op("Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f"))
+        return self.graph.op(
+            "Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f")
+        )
 
     def __rmod__(self, other):
         b, a = self._pair(other)
-        return self.graph.op("Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f"))
+        return self.graph.op(
+            "Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f")
+        )
 
     def __floordiv__(self, other):
         a, b = self._pair(other)
@@ -276,7 +284,9 @@ class Value:
     __ror__ = __or__
 
     def __invert__(self):
-        return self.graph.op("Not" if self.dtype.kind == "b" else "BitwiseNot", [self], self.dtype, self.shape)
+        return self.graph.op(
+            "Not" if self.dtype.kind == "b" else "BitwiseNot", [self], self.dtype, self.shape
+        )
 
     def __neg__(self):
         return self.graph.op("Neg", [self], self.dtype, self.shape)
@@ -304,7 +314,9 @@ class Value:
             else:
                 at = g.shape_of(item)
                 shape[axis] = 1
-                out = g.op("Slice", [out, at, g.shape_of(item + 1), g.constant([axis])], out.dtype, tuple(shape))
+                out = g.op(
+                    "Slice", [out, at, g.shape_of(item + 1), g.constant([axis])], out.dtype, tuple(shape)
+                )
                 squeeze.append(axis)
         if squeeze:
             kept = tuple(s for axis, s in enumerate(shape) if axis not in squeeze)
@@ -340,7 +352,9 @@ class GraphOps:
     def positions(self, start: Any, stop: Any, like: Value) -> Value:
         g = like.graph
         known = isinstance(start, int) and isinstance(stop, int)
-        return g.op("Range", [g.value(start), g.value(stop), g.value(1)], np.int64, (stop - start if known else None,))
+        return g.op(
+            "Range", [g.value(start), g.value(stop), g.value(1)], np.int64, (stop - start if known else None,)
+        )
 
     def call_mod(self, fn: Callable, args: tuple, like: Value) -> Any:
         return fn(*args)
@@ -355,7 +369,9 @@ class GraphOps:
             a, b = g.value(x), g.value(y)
         if a.dtype.kind == "b":  # onnxruntime has no Where of booleans
             return (condition & a) | (~condition & b)
-        return g.op("Where", [condition, a, b], a.dtype, _broadcast(condition.shape, _broadcast(a.shape, b.shape)))
+        return g.op(
+            "Where", [condition, a, b], a.dtype, _broadcast(condition.shape, _broadcast(a.shape, b.shape))
+        )
 
     def logical_and(self, a: Value, b: Value) -> Value:
         g = a.graph if isinstance(a, Value) else b.graph
