@@ -204,8 +204,27 @@ def test_what_the_node_cannot_take_is_refused_naming_the_argument():
         export_attention(num_heads=H, head_dim=D, score_mod=lambda s, b, h, q, k: s * 2.0)
     with pytest.raises(ValueError, match="query_offset must be 0"):
         export_attention(num_heads=H, head_dim=D, cache=True, query_offset=3)
+    with pytest.raises(TypeError, match="needs num_heads="):
+        export({"W_q": np.eye(4)})
     with pytest.raises(TypeError, match="layer must be a multiattn MultiHeadAttention"):
         export(multiattn.backends.numpy.DotProductAttention())
+
+
+@pytest.mark.backend("numpy")
+def test_multi_head_attention_exports_from_its_weights():
+    from multiattn.onnx import export
+
+    rng = np.random.default_rng(4)
+    shapes = {"W_q": (16, 12), "W_k": (8, 10), "W_v": (8, 6), "W_o": (16, 16), "b_q": 16, "b_k": 8, "b_v": 8,
+              "b_o": 16}  # fmt: skip
+    weights = {name: rng.normal(size=shape) for name, shape in shapes.items()}
+    session = _session(export(weights, num_heads=4, num_kv_heads=2, causal=True))
+    q, kv = rng.normal(size=(B, 5, 12)), rng.normal(size=(B, 5, 10))
+    v = rng.normal(size=(B, 5, 6))
+    want = multiattn.multi_head_attention(q, kv, v, weights=weights, num_heads=4, num_kv_heads=2, causal=True)
+    feeds = {"queries": q, "keys": kv, "values": v}
+    got = session.run(None, {n: x.astype(np.float32) for n, x in feeds.items()})[0]
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=0)  # weights of size ~1: outputs of ~10
 
 
 @pytest.mark.backend("numpy")
@@ -228,6 +247,8 @@ def test_check_native_onnxruntime_names_what_the_runtime_does():
     # float32 and float16 agree on every mask at opset 23; float64 is at float32's accuracy
     assert set(summary["onnxruntime Attention (opset 23)"].values()) == {native.FLOAT32_ACCURACY}
     assert "out of range" in summary["onnxruntime Attention (opset 24)"]["1d"]
+    contrib = summary["onnxruntime MultiHeadAttention (com.microsoft)"]
+    assert contrib["none"] == "agree" and contrib["mask"] == "fully masked rows: NaN output"
     grouped = summary["onnxruntime Attention (grouped heads)"]
     assert {grouped[m] for m in ("none", "1d", "2d", "mask", "causal", "all")} == {"agree"}
 

@@ -532,32 +532,49 @@ def _d2l_multi_head() -> Callable:
     return fn
 
 
-def _attention_model(opset: int, dtype: Any, mask: bool, is_causal: bool, softcap: Any, lengths: bool) -> Any:
-    """An onnxruntime session of one ONNX ``Attention`` node over 4-D Q, K, V (and attn_mask, bool;
-    nonpad_kv_seqlen)."""
+def _one_node(
+    op_type: str, domain: str, inputs: list, dtype: Any, opset: int = 23, **attributes: Any
+) -> Callable:
+    """A function of numpy arrays (by input name) running one ONNX node in onnxruntime (CPU);
+    inputs: (name, numpy dtype), or "" for an input left out; one output."""
     import onnxruntime
-    from onnx import TensorProto, helper
+    from onnx import helper
 
     float_type = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    names = [("Q", float_type), ("K", float_type), ("V", float_type)] + [
-        ("attn_mask", TensorProto.BOOL)
-    ] * mask
-    inputs = [n for n, _ in names]
-    if lengths:  # the node's 7th input, after attn_mask, past_key and past_value
-        inputs = inputs + [""] * (6 - len(inputs)) + ["nonpad_kv_seqlen"]
-        names.append(("nonpad_kv_seqlen", TensorProto.INT64))
-    attributes = dict(is_causal=int(is_causal), **({"softcap": float(softcap)} if softcap else {}))
+    given = [(n, helper.np_dtype_to_tensor_dtype(np.dtype(t))) for n, t in (x for x in inputs if x)]
+    node = helper.make_node(op_type, [x[0] if x else "" for x in inputs], ["Y"], domain=domain, **attributes)
     graph = helper.make_graph(
-        [helper.make_node("Attention", inputs, ["Y"], **attributes)], "attention",
-        [helper.make_tensor_value_info(n, t, None) for n, t in names],
+        [node], op_type, [helper.make_tensor_value_info(n, t, None) for n, t in given],
         [helper.make_tensor_value_info("Y", float_type, None)],
     )  # fmt: skip
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(domain, 1)] * bool(domain)
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=10)
     options = onnxruntime.SessionOptions()
     options.log_severity_level = 4  # what it refuses is the row's status, not a log line
-    return onnxruntime.InferenceSession(
+    session = onnxruntime.InferenceSession(
         model.SerializeToString(), options, providers=["CPUExecutionProvider"]
     )
+
+    def run(**feeds: np.ndarray) -> np.ndarray:
+        try:
+            return session.run(None, feeds)[0]
+        except Exception as err:  # its message's last sentence: what it refused
+            raise RuntimeError(str(err).rsplit("was false.", 1)[-1].strip()) from None
+
+    return run
+
+
+def _mods_mask(allowed: Optional[np.ndarray], window: Any, documents: Any, B: int, Q: int, K: int) -> Any:
+    """allowed AND the window's and the documents' formulas (B, Q, K); None: nothing masked."""
+    if window is None and documents is None:
+        return allowed
+    allowed = np.ones((B, Q, K), bool) if allowed is None else allowed
+    i, j = np.arange(Q)[:, None], np.arange(K)[None, :]
+    if window is not None:
+        allowed = allowed & (0 <= i - j) & (i - j < window)
+    if documents is not None:
+        allowed = allowed & (documents[0][:, :, None] == documents[1][:, None, :])
+    return allowed
 
 
 def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
@@ -565,19 +582,26 @@ def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
     heads by hand; at opset 24, 1-D lengths as ``nonpad_kv_seqlen`` and ``is_causal`` beside a mask."""
 
     def make() -> Callable:
-        sessions: Dict[tuple, Any] = {}
+        nodes: Dict[tuple, Callable] = {}
 
         def attend(q, k, v, mask=None, is_causal=False, softcap=None, lens=None):
-            key = (opset, q.dtype.str, mask is not None, is_causal, softcap, lens is not None)
-            if key not in sessions:
-                sessions[key] = _attention_model(opset, q.dtype, *key[2:])
+            key = (q.dtype.str, mask is not None, is_causal, softcap, lens is not None)
+            if key not in nodes:
+                inputs = [
+                    ("Q", q.dtype),
+                    ("K", q.dtype),
+                    ("V", q.dtype),
+                    ("attn_mask", bool) if mask is not None else "",
+                ]
+                inputs += ["", "", ("nonpad_kv_seqlen", np.int64)] if lens is not None else []
+                extra = {"softcap": float(softcap)} if softcap else {}
+                nodes[key] = _one_node(
+                    "Attention", "", inputs, q.dtype, opset=opset, is_causal=int(is_causal), **extra
+                )
             feeds = {"Q": q, "K": k, "V": v}
             feeds.update({"attn_mask": mask} if mask is not None else {})
             feeds.update({"nonpad_kv_seqlen": lens.astype(np.int64)} if lens is not None else {})
-            try:
-                return sessions[key].run(None, feeds)[0]
-            except Exception as err:  # its message's last sentence: what it refused
-                raise RuntimeError(str(err).rsplit("was false.", 1)[-1].strip()) from None
+            return nodes[key](**feeds)
 
         if kind == "grouped":
             return _heads_by_hand("numpy", lambda q, k, v, mask: attend(q, k, v, mask))
@@ -590,14 +614,9 @@ def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
             lens = None if nonpad is not None else lens
             native_causal = causal and (opset >= 24 or (lens is None and mask is None and window is None
                                                          and documents is None))  # fmt: skip
-            allowed = visible(lens, mask, causal and not native_causal, B, Q, K)
-            if window is not None or documents is not None:
-                allowed = np.ones((B, Q, K), bool) if allowed is None else allowed
-                i, j = np.arange(Q)[:, None], np.arange(K)[None, :]
-                if window is not None:
-                    allowed = allowed & (0 <= i - j) & (i - j < window)
-                if documents is not None:
-                    allowed = allowed & (documents[0][:, :, None] == documents[1][:, None, :])
+            allowed = _mods_mask(
+                visible(lens, mask, causal and not native_causal, B, Q, K), window, documents, B, Q, K
+            )
             given = [x[:, None] for x in (queries, keys, values)]  # one head: (B, 1, seq, width)
             mask = None if allowed is None else allowed[:, None]
             return attend(*given, mask=mask, is_causal=native_causal, softcap=softcap, lens=nonpad)[:, 0]
@@ -605,6 +624,38 @@ def _onnxruntime(opset: int, kind: str) -> Callable[[], Callable]:
         return fn
 
     return make
+
+
+def _onnxruntime_contrib_mha() -> Callable:
+    """onnxruntime's ``com.microsoft.MultiHeadAttention`` (CPU) on 3-D inputs, one head."""
+    nodes: Dict[tuple, Callable] = {}
+
+    def fn(queries, keys, values, valid_lens, attention_mask=None, causal=False, window=None, documents=None):
+        lens, mask = _numpy(valid_lens), _numpy(attention_mask)
+        if queries.dtype == np.float64:
+            raise Unsupported("its CPU kernel takes float32 and float16")
+        (B, Q, _), K = queries.shape, keys.shape[1]
+        padding = lens if lens is not None and lens.ndim == 1 else None
+        lens = None if padding is not None else lens
+        native_causal = causal and lens is None and mask is None and window is None and documents is None
+        allowed = _mods_mask(
+            visible(lens, mask, causal and not native_causal, B, Q, K), window, documents, B, Q, K
+        )
+        key = (queries.dtype.str, padding is not None, allowed is not None, native_causal)
+        if key not in nodes:
+            inputs = [("query", queries.dtype), ("key", queries.dtype), ("value", queries.dtype), ""]
+            inputs += [("key_padding_mask", np.int32) if padding is not None else ""]
+            inputs += [("attention_bias", queries.dtype)] if allowed is not None else []
+            nodes[key] = _one_node("MultiHeadAttention", "com.microsoft", inputs, queries.dtype, num_heads=1,
+                                   unidirectional=int(native_causal))  # fmt: skip
+        feeds = {"query": queries, "key": keys, "value": values}
+        if padding is not None:
+            feeds["key_padding_mask"] = padding.astype(np.int32)
+        if allowed is not None:  # the mask as its additive form: 0 where visible, -inf where not
+            feeds["attention_bias"] = np.where(allowed[:, None], 0, -np.inf).astype(queries.dtype)
+        return nodes[key](**feeds)
+
+    return fn
 
 
 _SDPA_CAUSAL = "the native is_causal where causality is the only mask, else an explicit mask"
@@ -793,6 +844,15 @@ IMPLEMENTATIONS: Tuple[Implementation, ...] = (
         _onnxruntime(24, "dot_product"),
         "as at opset 23, with 1-D lengths as `nonpad_kv_seqlen` and causality always as `is_causal` "
         "(opset 24 takes it beside a mask)",
+    ),
+    Implementation(
+        "onnxruntime MultiHeadAttention (com.microsoft)",
+        "onnxruntime",
+        "dot_product",
+        _onnxruntime_contrib_mha,
+        "the contrib operator (CPU), the 3-D inputs as one head; 1-D lengths as `key_padding_mask`, the "
+        "other masks and the window and documents' formulas as `attention_bias` (0 visible, -inf hidden); "
+        "`unidirectional=1` where causality is the only mask; no soft-capping",
     ),
     Implementation(
         "onnxruntime Attention (grouped heads)",

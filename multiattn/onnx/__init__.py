@@ -16,7 +16,7 @@ left to the runtime's reading of ``is_causal``; a query that sees no key gives 0
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -73,29 +73,25 @@ def export_attention(
 def export(
     layer: Any, path: Any = None, *, opset: int = 23, cache: bool = False, causal: bool = False,
     lengths: bool = False, attention_mask: bool = False, mask_mod: Any = None, score_mod: Any = None,
-    dtype: str = "float32",
+    dtype: str = "float32", num_heads: Optional[int] = None, num_kv_heads: Optional[int] = None,
 ) -> Any:  # fmt: skip
     """A multiattn ``MultiHeadAttention`` of any framework as an ONNX model (returned, and saved
     to ``path`` where given), from its canonical weights (``get_weights()``): queries (batch,
     queries, query_size), keys (batch, keys, key_size), values (batch, keys, value_size) ->
     output (batch, queries, num_hiddens): the projections, one ``Attention`` node, the output
-    projection.  ``lengths=True``: valid_lens (batch,) as the layer's call takes them.  With
-    ``cache=True``: past_key, past_value (batch, num_kv_heads, past, num_hiddens / num_heads)
-    of the projected keys and values in, present_key, present_value out (the layer's call
-    with ``cache=``)."""
+    projection.  ``layer`` may also be ``multi_head_attention``'s canonical weights (a dict of
+    arrays W_q, W_k, W_v, W_o and, with biases, b_q, ...) with ``num_heads`` (and
+    ``num_kv_heads``).  ``lengths=True``: valid_lens (batch,) as the layer's call takes them.
+    With ``cache=True``: past_key, past_value (batch, num_kv_heads, past, num_hiddens /
+    num_heads) of the projected keys and values in, present_key, present_value out (the
+    layer's call with ``cache=``)."""
     _onnx()
-    if not (callable(getattr(layer, "get_weights", None)) and hasattr(layer, "num_heads")):
-        raise TypeError(
-            f"layer must be a multiattn MultiHeadAttention (of any framework), got {type(layer).__name__}"
-        )
-    weights = {name: np.asarray(w) for name, w in layer.get_weights().items()}
-    heads = layer.num_heads
-    kv_heads = getattr(layer, "num_kv_heads", None) or heads
-    head_dim = layer.num_hiddens // heads
+    weights, heads, kv_heads = _weights_of(layer, num_heads, num_kv_heads)
+    head_dim = weights["W_q"].shape[0] // heads
     spec = _Spec(heads, kv_heads, head_dim, causal, mask_mod, score_mod, None, lengths, attention_mask, 0,
                  cache, opset, dtype)  # fmt: skip
     g = Graph(spec.dtype)
-    sizes = (layer.query_size, layer.key_size, layer.value_size)
+    sizes = [weights["W_" + n].shape[1] for n in "qkv"]
     x = {n: g.input(n, spec.dtype, ("batch", s, size)) for n, s, size in zip(
         ("queries", "keys", "values"), ("queries", "keys", "keys"), sizes)}  # fmt: skip
 
@@ -111,6 +107,38 @@ def export(
     return _save(
         g.model(outputs, opset, doc=f"multiattn.onnx.export of {type(layer).__name__}: {spec}"), path
     )
+
+
+def _weights_of(layer: Any, num_heads: Any, num_kv_heads: Any) -> tuple:
+    """(canonical weights as numpy, heads, key/value heads) of a layer or of a weights dict."""
+    if isinstance(layer, Mapping):
+        if num_heads is None:
+            raise TypeError("export of multi_head_attention's weights needs num_heads= (and num_kv_heads=)")
+        weights = {name: np.asarray(w) for name, w in layer.items()}
+        missing = [n for n in ("W_q", "W_k", "W_v", "W_o") if n not in weights]
+        if missing:
+            raise ValueError(
+                f"weights must hold W_q, W_k, W_v and W_o, got {sorted(weights)}: no {missing[0]}"
+            )
+        heads, kv_heads = num_heads, num_heads if num_kv_heads is None else num_kv_heads
+        _check_heads(heads, kv_heads)
+        rows_q, rows_k = weights["W_q"].shape[0], weights["W_k"].shape[0]
+        if rows_q % heads or rows_k * heads != rows_q * kv_heads:
+            raise ValueError(
+                f"W_q {weights['W_q'].shape} and W_k {weights['W_k'].shape} must have num_heads={heads} and "
+                f"num_kv_heads={kv_heads} heads of one width"
+            )
+        return weights, heads, kv_heads
+    if num_heads is not None or num_kv_heads is not None:
+        raise TypeError("num_heads= and num_kv_heads= go with a weights dict; a layer has its own")
+    if not (callable(getattr(layer, "get_weights", None)) and hasattr(layer, "num_heads")):
+        raise TypeError(
+            "layer must be a multiattn MultiHeadAttention (of any framework) or multi_head_attention's "
+            f"weights (a dict), got {type(layer).__name__}"
+        )
+    heads = layer.num_heads
+    weights = {name: np.asarray(w) for name, w in layer.get_weights().items()}
+    return weights, heads, getattr(layer, "num_kv_heads", None) or heads
 
 
 # -- what both build -------------------------------------------------------------------------
