@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from . import __version__
 from ._registry import BACKENDS, did_you_mean, pip_install
@@ -18,29 +18,26 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _backend_list(text: str) -> List[str]:
+def _names(text: str, known: Any, what: str, hint: Any = lambda name: "") -> List[str]:
+    """The comma-separated names of ``text``, each one of ``known``; else the error naming it."""
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in BACKENDS]
+    unknown = [n for n in names if n not in known] or ([] if names else [text])
     if unknown:
-        hints = "".join(did_you_mean(n) for n in unknown[:1])
         raise argparse.ArgumentTypeError(
-            f"unknown backend {unknown[0]!r}{hints}; known: {', '.join(BACKENDS)}"
+            f"unknown {what} {unknown[0]!r}{hint(unknown[0])}; known: {', '.join(known)}"
         )
     return names
+
+
+def _backend_list(text: str) -> List[str]:
+    return _names(text, BACKENDS, "backend", did_you_mean)
 
 
 def _native_list(text: str) -> List[str]:
-    """--native's comma-separated frameworks: backends, or onnxruntime (numpy arrays in)."""
+    """--native's frameworks: backends with attention of their own, or onnxruntime (numpy arrays in)."""
     from .check.native_wrappers import FRAMEWORKS
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in FRAMEWORKS]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"--native: unknown framework {(unknown or [text])[0]!r}; those with attention of their own: "
-            f"{', '.join(FRAMEWORKS)}"
-        )
-    return names
+    return _names(text, FRAMEWORKS, "framework")
 
 
 def _tolerance(text: str) -> tuple:
@@ -205,13 +202,7 @@ def cmd_native(args: argparse.Namespace) -> int:
 def _dtype_list(text: str) -> List[str]:
     from .check.cases import DTYPES
 
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in DTYPES]
-    if unknown or not names:
-        raise argparse.ArgumentTypeError(
-            f"unknown dtype {unknown[0] if unknown else text!r}; known: {', '.join(DTYPES)}"
-        )
-    return names
+    return _names(text, DTYPES, "dtype")
 
 
 def cmd_report(args: argparse.Namespace) -> int:

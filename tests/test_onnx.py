@@ -126,6 +126,12 @@ CASES = {
         5,
         7,
     ),
+    "user's block-causal mask (//)": (
+        {"mask_mod": lambda b, h, q, k: q // 2 >= k // 2},
+        {"mask_fn": lambda b, h, i, j: i // 2 >= j // 2},
+        5,
+        7,
+    ),
     "user's table": (
         {"score_mod": _user_table},
         {"score_fn": lambda s, b, h, i, j: s + TABLE[h, i - j + 9]},

@@ -197,91 +197,42 @@ class Value:
         return a, b
 
     def _binary(self, op_type: str, other: Any, reflected: bool = False, floats: bool = False,
-                boolean: bool = False, **attributes: Any) -> "Value":  # fmt: skip
+                boolean: bool = False) -> "Value":  # fmt: skip
+        """self op_type other (reflected: other op_type self), after Python's promotion."""
         a, b = self._pair(other, floats)
         if reflected:
             a, b = b, a
+        if op_type == "FloorDiv":
+            return _floor_divide(a, b)
+        attributes = {"fmod": int(a.dtype.kind == "f")} if op_type == "Mod" else {}  # Python's sign for ints
+        if op_type in ("And", "Or") and a.dtype.kind != "b":
+            op_type = "Bitwise" + op_type
         dtype = np.bool_ if boolean else a.dtype
         return self.graph.op(op_type, [a, b], dtype, _broadcast(a.shape, b.shape), **attributes)
 
-    def __add__(self, other):
-        return self._binary("Add", other)
-
-    def __radd__(self, other):
-        return self._binary("Add", other, True)
-
-    def __sub__(self, other):
-        return self._binary("Sub", other)
-
-    def __rsub__(self, other):
-        return self._binary("Sub", other, True)
-
-    def __mul__(self, other):
-        return self._binary("Mul", other)
-
-    def __rmul__(self, other):
-        return self._binary("Mul", other, True)
-
-    def __truediv__(self, other):
-        return self._binary("Div", other, floats=True)
-
-    def __rtruediv__(self, other):
-        return self._binary("Div", other, True, floats=True)
-
-    def __mod__(self, other):
-        a, b = self._pair(other)
-        return self.graph.op(
-            "Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f")
+    def _operator(op_type: str, **options: Any) -> tuple:  # noqa: N805 (makes the methods)
+        return (
+            lambda self, other: self._binary(op_type, other, False, **options),
+            lambda self, other: self._binary(op_type, other, True, **options),
         )
 
-    def __rmod__(self, other):
-        b, a = self._pair(other)
-        return self.graph.op(
-            "Mod", [a, b], a.dtype, _broadcast(a.shape, b.shape), fmod=int(a.dtype.kind == "f")
-        )
-
-    def __floordiv__(self, other):
-        a, b = self._pair(other)
-        return _floor_divide(a, b)
-
-    def __rfloordiv__(self, other):
-        b, a = self._pair(other)
-        return _floor_divide(a, b)
-
-    def __pow__(self, other):
-        return self._binary("Pow", other)
-
-    def __rpow__(self, other):
-        return self._binary("Pow", other, True)
-
-    def __lt__(self, other):
-        return self._binary("Less", other, boolean=True)
-
-    def __le__(self, other):
-        return self._binary("LessOrEqual", other, boolean=True)
-
-    def __gt__(self, other):
-        return self._binary("Greater", other, boolean=True)
-
-    def __ge__(self, other):
-        return self._binary("GreaterOrEqual", other, boolean=True)
-
-    def __eq__(self, other):  # type: ignore[override]
-        return self._binary("Equal", other, boolean=True)
+    __add__, __radd__ = _operator("Add")
+    __sub__, __rsub__ = _operator("Sub")
+    __mul__, __rmul__ = _operator("Mul")
+    __truediv__, __rtruediv__ = _operator("Div", floats=True)
+    __mod__, __rmod__ = _operator("Mod")
+    __floordiv__, __rfloordiv__ = _operator("FloorDiv")
+    __pow__, __rpow__ = _operator("Pow")
+    __and__, __rand__ = _operator("And")
+    __or__, __ror__ = _operator("Or")
+    __lt__, __gt__ = _operator("Less", boolean=True)  # reflected: other < self, that is self > other
+    __le__, __ge__ = _operator("LessOrEqual", boolean=True)
+    __eq__ = _operator("Equal", boolean=True)[0]  # type: ignore[assignment]
+    del _operator
 
     def __ne__(self, other):  # type: ignore[override]
         equal = self == other
         return self.graph.op("Not", [equal], np.bool_, equal.shape)
-
-    def __and__(self, other):
-        return self._binary("And" if self.dtype.kind == "b" else "BitwiseAnd", other)
-
-    __rand__ = __and__
-
-    def __or__(self, other):
-        return self._binary("Or" if self.dtype.kind == "b" else "BitwiseOr", other)
-
-    __ror__ = __or__
 
     def __invert__(self):
         return self.graph.op(
