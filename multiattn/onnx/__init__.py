@@ -7,10 +7,11 @@ values.  Needs the ``onnx`` package (``pip install ".[onnx]"``; onnxruntime to r
 Inputs: ``queries``, ``keys``, ``values``; ``valid_lens`` (batch,) int64 with ``lengths=True``;
 ``attention_mask`` (batch, queries, keys) bool (True: may attend) with ``attention_mask=True``;
 ``document_ids`` (batch, keys) int64 where ``mask_mod`` holds ``mods.document``; ``past_key``,
-``past_value`` with ``cache=True``.  Outputs: ``output`` (and ``present_key``,
-``present_value``).  Masks and scores mean what they mean in multiattn's calls: causality is
-top-left aligned at the queries' positions (``query_offset``, or the past's length), never
-left to the runtime's reading of ``is_causal``; a query that sees no key gives 0.
+``past_value`` with ``cache=True`` (the mask's and the ids' keys then count the past ones
+first).  Outputs: ``output`` (and ``present_key``, ``present_value``).  Masks and scores mean
+what they mean in multiattn's calls: causality is top-left aligned at the queries' positions
+(``query_offset``, or the past's length), never left to the runtime's reading of
+``is_causal``; a query that sees no key gives 0.
 """
 
 from __future__ import annotations
@@ -215,7 +216,8 @@ def _attend(g: Graph, q: Value, k: Value, v: Value, spec: _Spec, value_dim: int)
             found = keys < ops.reshape(lens, (-1, 1, 1, 1))
             mask = found if mask is None else ops.logical_and(mask, found)
     if spec.attention_mask:
-        given = ops.expand_dims(g.input("attention_mask", np.bool_, ("batch", "queries", "keys")), 1)
+        keys = "past_and_keys" if spec.cache else "keys"  # every key the queries see
+        given = ops.expand_dims(g.input("attention_mask", np.bool_, ("batch", "queries", keys)), 1)
         mask = given if mask is None else ops.logical_and(mask, given)
 
     softcap, bias = None, None
@@ -249,7 +251,8 @@ def _with_ids(g: Graph, fn: Any) -> mods.MaskFunction:
         ids = [x for x in g.inputs if x.name == "document_ids"]
         found = Value(g, "document_ids", np.int64, (None, None))
         if not ids:
-            g.input("document_ids", np.int64, ("batch", "keys"))
+            past = any(x.name == "past_key" for x in g.inputs)
+            g.input("document_ids", np.int64, ("batch", "past_and_keys" if past else "keys"))
         return mods.document(found, found)
     if isinstance(fn, (mods.and_masks, mods.or_masks)):
         return type(fn)(*[_with_ids(g, part) for part in fn.fns])
