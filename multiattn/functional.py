@@ -108,7 +108,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
             )  # fmt: skip
         masks = validation.dot_product_call(ops, queries, keys, values, valid_lens, attention_mask, causal)
         if score_mod is not None or mask_mod is not None or query_offset is not None:
-            sizes = validation.mod_sizes(ops, queries, keys)
+            sizes = validation.mod_sizes(ops, queries, keys, query_offset)
             score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
             if query_offset is not None:
                 validation.check_not_both(block_mask, query_offset)
@@ -218,7 +218,7 @@ def bind(ops: Ops) -> Tuple[Callable[..., Any], ...]:
         masks = validation.multi_head_call(
             ops, queries, keys, values, valid_lens, attention_mask, causal, num_heads, num_hiddens
         )
-        sizes = validation.mod_sizes(ops, queries, keys)
+        sizes = validation.mod_sizes(ops, queries, keys, query_offset)
         score_mod, masks = validation.with_mods(score_mod, mask_mod, masks, sizes)
         if query_offset is not None:
             validation.check_not_both(block_mask, query_offset)

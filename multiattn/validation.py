@@ -445,10 +445,11 @@ def with_query_offset(ops: Ops, query_offset: Any, masks: Masks, score_mod: Any,
     return score_mod, Masks(masks.valid_lens, masks.attention_mask, False, mask_mod, masks.block_mask)
 
 
-def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor) -> tuple:
-    """(batch, queries, keys) of a call, for ``with_mods``."""
+def mod_sizes(ops: Ops, queries: Tensor, keys: Tensor, query_offset: Any = None) -> tuple:
+    """(batch, queries, keys) of a call, for ``with_mods``; queries None with a query_offset (a
+    mask function's arrays then cover the queries' positions, offset + i, not their rows)."""
     q_shape = ops.shape(queries)
-    return q_shape[0], q_shape[-2], ops.shape(keys)[-2]
+    return q_shape[0], q_shape[-2] if query_offset is None else None, ops.shape(keys)[-2]
 
 
 def check_arity(arg: str, fn: Any) -> None:

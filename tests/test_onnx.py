@@ -199,6 +199,39 @@ def test_a_decoding_model_steps_as_cached_attention_after_a_prefill():
 
 
 @pytest.mark.backend("numpy")
+def test_a_decoding_step_with_documents_and_a_mask_over_the_past():
+    """The mask and the document ids cover the past keys, then the new ones; the queries sit
+    after the past (and multiattn's own call with query_offset takes the same ids)."""
+    from multiattn.onnx import export_attention
+
+    past, n = 4, 3
+    model = export_attention(
+        num_heads=H, num_kv_heads=1, head_dim=D, value_dim=3, causal=True, cache=True, attention_mask=True,
+        mask_mod=mods.document,
+    )  # fmt: skip
+    rng = np.random.default_rng(5)
+    q = rng.normal(size=(B, H, n, D)).astype(np.float32)
+    k, pk = (rng.normal(size=(B, 1, m, D)).astype(np.float32) for m in (n, past))
+    v, pv = (rng.normal(size=(B, 1, m, 3)).astype(np.float32) for m in (n, past))
+    mask = rng.random((B, n, past + n)) < 0.8
+    ids = np.array([[0, 0, 0, 1, 1, 1, 1], [0, 1, 1, 1, 2, 2, 2]])
+    feeds = dict(
+        queries=q, keys=k, values=v, past_key=pk, past_value=pv, attention_mask=mask, document_ids=ids
+    )
+    keys, values = np.concatenate([pk, k], 2), np.concatenate([pv, v], 2)
+    want = reference.heads_attention(
+        q, keys, values, attention_mask=mask,
+        mask_fn=lambda b, h, i, j: j <= past + i and ids[b, past + i] == ids[b, j],
+    )[0]  # fmt: skip
+    np.testing.assert_allclose(_session(model).run(None, feeds)[0], want, atol=2e-5, rtol=0)
+    ours = multiattn.dot_product_attention(
+        q.astype(float), keys.astype(float), values.astype(float), attention_mask=mask[:, None], causal=True,
+        query_offset=past, mask_mod=mods.document(ids),
+    )  # fmt: skip
+    np.testing.assert_allclose(ours, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.backend("numpy")
 def test_what_the_node_cannot_take_is_refused_naming_the_argument():
     from multiattn.onnx import export, export_attention
 
