@@ -112,7 +112,8 @@ def export(
 
 def _weights_of(layer: Any, num_heads: Any, num_kv_heads: Any) -> tuple:
     """(canonical weights as numpy, heads, key/value heads) of a layer or of a weights dict."""
-    if isinstance(layer, Mapping):
+    is_layer = callable(getattr(layer, "get_weights", None)) and hasattr(layer, "num_heads")
+    if isinstance(layer, Mapping) and not is_layer:  # an mlx.nn.Module is a dict: a layer first
         if num_heads is None:
             raise TypeError("export of multi_head_attention's weights needs num_heads= (and num_kv_heads=)")
         weights = {name: np.asarray(w) for name, w in layer.items()}
@@ -132,7 +133,7 @@ def _weights_of(layer: Any, num_heads: Any, num_kv_heads: Any) -> tuple:
         return weights, heads, kv_heads
     if num_heads is not None or num_kv_heads is not None:
         raise TypeError("num_heads= and num_kv_heads= go with a weights dict; a layer has its own")
-    if not (callable(getattr(layer, "get_weights", None)) and hasattr(layer, "num_heads")):
+    if not is_layer:
         raise TypeError(
             "layer must be a multiattn MultiHeadAttention (of any framework) or multi_head_attention's "
             f"weights (a dict), got {type(layer).__name__}"
