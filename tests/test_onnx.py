@@ -161,7 +161,8 @@ def test_exported_calls_match_the_float64_reference(case, opset):
     }
     ref = dict(ref)
     if given.get("lengths"):
-        feeds["valid_lens"] = np.array([n_keys - 2, 0])  # a sequence with no key: its rows are 0
+        # a sequence with no key: its rows are 0; an over-long length: every key
+        feeds["valid_lens"] = np.array([n_keys + 2 if case == "lengths" else n_keys - 2, 0])
         ref["valid_lens"] = feeds["valid_lens"]
     if given.get("attention_mask"):
         feeds["attention_mask"] = rng.random((B, n_queries, n_keys)) < 0.6

@@ -211,7 +211,10 @@ def _attend(g: Graph, q: Value, k: Value, v: Value, spec: _Spec, value_dim: int)
     if spec.lengths:
         lens = g.input("valid_lens", np.int64, ("batch",))
         if spec.opset >= 24 and not spec.cache:  # ONNX forbids nonpad_kv_seqlen beside a past
-            nonpad = lens
+            # clipped to [0, keys] as multiattn's calls read them (onnxruntime refuses others)
+            nonpad = g.op(
+                "Max", [g.op("Min", [lens, n_keys], np.int64, (None,)), g.value(0)], np.int64, (None,)
+            )
         else:
             keys = ops.reshape(ops.positions(0, n_keys, like), (1, 1, 1, -1))
             found = keys < ops.reshape(lens, (-1, 1, 1, 1))
