@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,8 +113,6 @@ def test_jax_ring_misuse_raises():
 
 def _doc_examples():
     """docs/distributed.md's python blocks: (torch's torchrun script, jax's example)."""
-    import re
-
     text = (Path(__file__).resolve().parent.parent / "docs" / "distributed.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", text, re.S)
     return [b for b in blocks if "init_process_group" in b][0], [b for b in blocks if "shard_map" in b][0]
@@ -129,10 +128,9 @@ def test_the_torchrun_example_runs_as_written(tmp_path):
         env={**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = sorted(line for line in done.stdout.splitlines() if line[:2] in ("0 ", "1 "))
-    assert lines == ["0 (1, 8, 1024, 64) (1, 2, 1024, 64)", "1 (1, 8, 1024, 64) (1, 2, 1024, 64)"], (
-        done.stdout
-    )
+    shapes = "(1, 8, 1024, 64) (1, 2, 1024, 64)"  # each rank's line; the two ranks' writes may interleave
+    assert done.stdout.count(shapes) == 2, done.stdout
+    assert sorted(re.findall(r"[01]", done.stdout.replace(shapes, ""))) == ["0", "1"], done.stdout
 
 
 @pytest.mark.backend("jax")
