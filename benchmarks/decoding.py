@@ -1,12 +1,15 @@
 """One decoding step over a cache: multiattn's ``cached_attention`` against what Hugging Face's
 ``DynamicCache`` does (``torch.cat`` of the new position onto the cache, then
 ``scaled_dot_product_attention(enable_gqa=True)``) and against recomputing the full causal
-attention; B = 1, 8 query heads, 2 key/value heads, d = 64, float32, no autograd.
+attention; B = 1, 8 query heads, 2 key/value heads, d = 64, float32, no autograd.  The paged
+cache is filled by one append (its pages one array) and, "page by page", by appends of 256
+positions (each page its own array, as pages added by decoding steps).
 
     python benchmarks/decoding.py --backend torch --lengths 1024,8192,32768
     python benchmarks/decoding.py --backend jax                  # multiattn alone, every backend
 
-Per cache length, interleaved rounds (each implementation once per round), medians; and the
+Per cache length, interleaved rounds (each implementation once per round, the order rotated
+from round to round), medians; and the
 storage bytes per cached position of a contiguous and a paged (256) cache.
 """
 
@@ -42,9 +45,12 @@ def implementations(backend: str, length: int) -> dict:
     v_new = m.from_numpy(rng.normal(size=(B, KV, 1, D)), dtype)
     like = m.from_numpy(np.zeros(1), dtype)
     fns = {}
-    for name, page_size in (("multiattn contiguous", None), ("multiattn paged 256", 256)):
+    layouts = (("multiattn contiguous", None, length), ("multiattn paged 256", 256, length),
+               ("multiattn paged 256, page by page", 256, 256))  # fmt: skip
+    for name, page_size, chunk in layouts:
         cache = multiattn.KVCache(B, KV, D, like=like, page_size=page_size, capacity=0)
-        cache = cache.append(k_all, v_all)
+        for at in range(0, length, chunk):  # one append: its pages one array; 256 at a time: one each
+            cache = cache.append(k_all[:, :, at : at + chunk], v_all[:, :, at : at + chunk])
         filled = cache.length
 
         def step(cache=cache, filled=filled):
@@ -106,8 +112,10 @@ def main() -> None:
             for _ in range(3):
                 _sync(args.backend, fn())
         times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
+        names = list(fns)
+        for round_ in range(args.rounds):  # the order rotated: none always follows the largest
+            for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+                fn = fns[name]
                 start = time.perf_counter()
                 _sync(args.backend, fn())
                 times[name].append(time.perf_counter() - start)

@@ -4,12 +4,12 @@ position held.
 
 Both layouts keep positions in splits of ``SPLIT`` (storage (splits, B, kv_heads, SPLIT,
 width)).  Attention computes each split's state (``state``: its output and lse) for all the
-splits of a block (the contiguous storage, or one page) in one batched product, then merges the
-splits' states (flash-decoding's split-K).  A split is computed alike whatever the layout, the
-batch or the thread count: a paged cache whose pages hold a multiple of SPLIT positions gives
-the contiguous cache's answer bitwise, and eagerly no page is ever gathered into one array (a
-compiled step reads the pages as one block: a compiler's product of other shapes may round
-otherwise).
+splits of a block (the contiguous storage, or the pages made together: a pool, a prefill's) in
+one batched product, then merges the splits' states (flash-decoding's split-K).  A split is
+computed alike whatever the layout, the batch or the thread count: a paged cache whose pages
+hold a multiple of SPLIT positions gives the contiguous cache's answer bitwise, and eagerly no
+page is ever copied into another array (a compiled step reads pages made apart as one block, a
+copy: a compiler's product of other shapes may round otherwise).
 
 Under a compiler (jax.jit, tf.function, torch.compile) the storage is fixed: a step past it
 stores nothing and gives NaN, never a wrong number (``KVCache``)."""
@@ -34,7 +34,8 @@ class KVCache:
     the positions so far, in the backend, dtype and device of ``like``: contiguous, grown by
     doubling from ``capacity`` positions, or with ``page_size`` in pages of that many
     positions, one more when the last is full (``num_pages``: that many made up front, a fixed
-    pool for a compiler).  ``append`` adds positions after the others; ``length``: the
+    pool for a compiler); the pages made together (the pool, the pages one append needs) are
+    one array, attended as one block.  ``append`` adds positions after the others; ``length``: the
     positions held; ``capacity``: the positions the storage holds; ``nbytes``: its bytes.  On
     jax (whose arrays are values) ``append`` returns a new cache and leaves this one as it was;
     elsewhere it writes into this one and returns it.
@@ -79,10 +80,13 @@ class KVCache:
         self.split = SPLIT if page_size is None or page_size % SPLIT == 0 else page_size
         self._like = self.ops.zeros((1,), like)  # dtype and device, without holding the caller's tensor
         self.length = 0
-        self.pages: List[Tuple[Tensor, Tensor]] = []  # contiguous: one "page" of the capacity
+        # (keys, values) of consecutive positions: the contiguous storage; pages made together
+        # (a pool, a prefill's) as one, attended as one block: a step's cost is not one call per page
+        self.storage: List[Tuple[Tensor, Tensor]] = []
         if capacity and page_size is None:
-            self.pages.append(self._zeros(-(-capacity // SPLIT) * SPLIT))
-        self.pages.extend(self._zeros(page_size) for _ in range(num_pages))
+            self.storage.append(self._zeros(-(-capacity // SPLIT) * SPLIT))
+        if num_pages:
+            self.storage.append(self._zeros(page_size * num_pages))
 
     @property
     def length(self) -> Any:
@@ -111,7 +115,7 @@ class KVCache:
         length = self._length  # as it is: a jax array's value is not read back
         if isinstance(length, int):
             length = self.ops.constant(length, self._like)
-        flat = tuple(x for page in self.pages for x in page)
+        flat = tuple(x for pair in self.storage for x in pair)
         return tuple(getattr(self, f) for f in self._STATIC), flat + (length, self._like)
 
     @classmethod
@@ -119,7 +123,7 @@ class KVCache:
         cache = object.__new__(cls)
         cache.__dict__.update(zip(cls._STATIC, fields))
         *flat, cache.length, cache._like = tensors
-        cache.pages = list(zip(flat[0::2], flat[1::2]))
+        cache.storage = list(zip(flat[0::2], flat[1::2]))
         return cache
 
     def __tf_flatten__(self) -> Tuple[tuple, tuple]:  # tf.nest's protocol: tf.function takes and returns it
@@ -140,6 +144,8 @@ class KVCache:
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         length = state.pop("length", None)  # pickled before the length was a property
+        if "pages" in state:  # pickled before pages made together were one storage
+            state["storage"] = state.pop("pages")
         self.__dict__.update(state, ops=get_backend(state["ops"]).ops)
         if length is not None:
             self.length = length
@@ -155,7 +161,7 @@ class KVCache:
     @property
     def capacity(self) -> int:
         """The positions the storage holds, filled or not."""
-        return sum(self.ops.shape(k)[0] for k, _ in self.pages) * self.split
+        return sum(self.ops.shape(k)[0] for k, _ in self.storage) * self.split
 
     @property
     def nbytes(self) -> int:
@@ -176,9 +182,9 @@ class KVCache:
         start = self.length
         # a compiler's input stays as it was (tf.function refuses a mutated argument)
         cache = copy.copy(self) if self.ops.functional_updates or not isinstance(start, int) else self
-        cache.pages = list(self.pages)
+        cache.storage = list(self.storage)
         if not isinstance(start, int):  # traced (jax.jit, tf.function): into the storage it has
-            if not cache.pages:
+            if not cache.storage:
                 raise ValueError(
                     "a cache appended to under a compiler needs its storage already: make it with "
                     "capacity= (contiguous) or num_pages= (paged), got capacity=0"
@@ -205,12 +211,11 @@ class KVCache:
         return cache
 
     def _write_traced(self, position: Any, keys: Tensor, values: Tensor) -> None:
-        """One position (a traced scalar) written into the page that holds it; into none where
-        it is past the storage (the rows written there keep what they held)."""
+        """One position (a traced scalar) written into the storage that holds it; into none
+        where it is past the storage (the rows written there keep what they held)."""
         ops = self.ops
-        size = self.capacity if self.page_size is None else self.page_size  # positions a page holds
-        for page, (k, v) in enumerate(self.pages):
-            within = position - page * size
+        for at, first, size, (k, v) in self._spans():
+            within = position - first
             inside = ops.logical_and(within >= 0, within < size)
             within = ops.select(inside, within, 0)  # in range: a compiler's slices may not clamp
             split, offset = within // self.split, within % self.split
@@ -219,18 +224,17 @@ class KVCache:
                 held = ops.rows_at(ops.rows_at(x, split, 1, axis=0), offset, 1)[0]
                 x_new = ops.write_rows(x, split, offset, ops.select(inside, rows, held))
                 written.append(ops.reshape(x_new, ops.shape(x)))  # its static shape, where lost
-            self.pages[page] = tuple(written)
+            self.storage[at] = tuple(written)
 
     def _write_span(self, start: Any, keys: Tensor, values: Tensor) -> None:
-        """n positions from a traced start in one update per page: the page's rows one after
+        """n positions from a traced start in one update per storage: its rows one after
         another with n rows of margin on each side, the new rows written there at their place
-        (into a margin where they fall outside the page), the page cut back out; past the
+        (into a margin where they fall outside it), the storage cut back out; past the
         storage, nothing stored."""
         ops, n = self.ops, self.ops.shape(keys)[-2]
-        size = self.capacity if self.page_size is None else self.page_size  # positions a page holds
         fits = start + n <= self.capacity
-        for page, pair in enumerate(self.pages):
-            at = start - page * size + n  # clamped into the margins: a compiler's writes may not clamp
+        for index, first, size, pair in self._spans():
+            at = start - first + n  # clamped into the margins: a compiler's writes may not clamp
             at = ops.select(at < 0, at * 0, ops.select(at > size + n, at * 0 + size + n, at))
             written = []
             for x, rows in zip(pair, (keys, values)):
@@ -240,26 +244,35 @@ class KVCache:
                 flat = ops.write_rows(padded, 0, at, rows)[0, ..., n : n + size, :]
                 x_new = ops.row_windows(flat, 0, self.split, self.split, ops.shape(x)[0])
                 written.append(ops.reshape(ops.select(fits, x_new, x), ops.shape(x)))
-            self.pages[page] = tuple(written)
+            self.storage[index] = tuple(written)
 
-    def _write(self, position: Any, keys: Tensor, values: Tensor) -> None:
+    def _spans(self) -> Iterator[Tuple[int, int, int, Tuple[Tensor, Tensor]]]:
+        """(index, first position, positions, (keys, values)) of each storage, in order."""
+        first = 0
+        for index, pair in enumerate(self.storage):
+            size = self.ops.shape(pair[0])[0] * self.split
+            yield index, first, size, pair
+            first += size
+
+    def _write(self, position: int, keys: Tensor, values: Tensor) -> None:
         """Rows that fall in one split, written from ``position``."""
-        page, within = (0, position) if self.page_size is None else divmod(position, self.page_size)
-        split, offset = within // self.split, within % self.split
-        k, v = self.pages[page]
-        write = self.ops.write_rows
-        self.pages[page] = (write(k, split, offset, keys), write(v, split, offset, values))
+        for index, first, size, (k, v) in self._spans():
+            if position < first + size:
+                split, offset = divmod(position - first, self.split)
+                write = self.ops.write_rows
+                self.storage[index] = (write(k, split, offset, keys), write(v, split, offset, values))
+                return
 
     def _grow(self, needed: int) -> None:
-        """Storage for ``needed`` positions: pages added, or the contiguous storage doubled."""
+        """Storage for ``needed`` positions: the pages needed added as one, or the contiguous
+        storage doubled."""
         if self.page_size is not None:
-            while self.capacity < needed:
-                self.pages.append(self._zeros(self.page_size))
+            self.storage.append(self._zeros(-(-(needed - self.capacity) // self.page_size) * self.page_size))
             return
         capacity = max(self.capacity * 2, -(-needed // SPLIT) * SPLIT, 16)
         more = self._zeros(capacity - self.capacity)
-        old = self.pages[0] if self.pages else None
-        self.pages = [more if old is None else tuple(self.ops.concat([o, m], 0) for o, m in zip(old, more))]
+        old = self.storage[0] if self.storage else None
+        self.storage = [more if old is None else tuple(self.ops.concat([o, m], 0) for o, m in zip(old, more))]
 
     def _check(self, keys: Tensor, values: Tensor) -> int:
         shapes = []
@@ -287,14 +300,14 @@ class KVCache:
     def blocks(self, length: Any, first: int = 0) -> Iterator[Tuple[int, Tensor, Tensor]]:
         """(first position, keys, values) of the storage's blocks of splits (splits, B, kv_heads,
         split, width) holding positions in [first, length): the contiguous storage as one block,
-        a paged cache page by page (both from the split that holds ``first``); where length is
+        a paged cache's pages made together as one (both from the split that holds ``first``); where length is
         traced, all of the storage as one block."""
         position, traced = 0, not isinstance(length, int)
-        if traced and len(self.pages) > 1:  # a compiler's product of other shapes may round otherwise
-            ks, vs = zip(*self.pages)
+        if traced and len(self.storage) > 1:  # a compiler's product of other shapes may round otherwise
+            ks, vs = zip(*self.storage)
             yield 0, self.ops.concat(list(ks), 0), self.ops.concat(list(vs), 0)
             return
-        for k, v in self.pages:
+        for k, v in self.storage:
             splits = self.ops.shape(k)[0]
             if not traced and position >= length:
                 return

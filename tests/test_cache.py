@@ -325,3 +325,17 @@ def test_a_compiled_prefill_is_one_update_whatever_its_length(bk, sizes):
             return len(jaxpr.jaxpr.eqns)
 
         assert size(3) == size(19)
+
+
+def test_pages_made_together_are_one_block(bk):
+    """The pages one append needs (and num_pages='s pool) are one array, attended as one block
+    of splits; pages added one at a time are one block each."""
+    like = bk.tensor(np.zeros(1), "float32")
+    rows = [bk.tensor(np.ones((1, 2, 100, 8)), "float32") for _ in range(2)]
+    cache = multiattn.KVCache(1, 2, 8, like=like, page_size=16).append(*rows)
+    assert cache.capacity == 112 and len(list(cache.blocks(cache.length))) == 1
+    one = [bk.tensor(np.ones((1, 2, 16, 8)), "float32") for _ in range(2)]
+    cache = cache.append(*one).append(*one)
+    assert cache.capacity == 144 and len(list(cache.blocks(cache.length))) == 3
+    pool = multiattn.KVCache(1, 2, 8, like=like, page_size=16, num_pages=8).append(*rows)
+    assert pool.capacity == 128 and len(list(pool.blocks(pool.length))) == 1

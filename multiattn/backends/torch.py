@@ -527,23 +527,16 @@ def _causal_in_parts(ops, queries, keys, values, scale):
     """Causal attention in CAUSAL_PARTS blocks of queries, each merged (state.combine) from
     the keys before it (no mask) and its own (causal): SDPA's causal flash kernel alone does
     not halve the time."""
-    heads = queries.dim() == 4
-    q, k, v = (x if heads else x.unsqueeze(1) for x in (queries, keys, values))
-    n = q.shape[-2]
+    n = queries.shape[-2]
     bounds = sorted({n * i // CAUSAL_PARTS for i in range(CAUSAL_PARTS + 1)})
     outs = []
     for start, stop in zip(bounds, bounds[1:]):
-        q_block = q[..., start:stop, :]
-        parts = [
-            _FLASH_WITH_LSE(q_block, k[..., start:stop, :], v[..., start:stop, :], 0.0, True, scale=scale)
-        ]
+        q = queries[..., start:stop, :]
+        parts = [flash_with_lse(q, keys[..., start:stop, :], values[..., start:stop, :], True, scale)]
         if start:
-            parts.append(
-                _FLASH_WITH_LSE(q_block, k[..., :start, :], v[..., :start, :], 0.0, False, scale=scale)
-            )
-        outs.append(parts[0][0] if len(parts) == 1 else state.combine(ops, parts)[0])
-    out = torch.cat(outs, -2)
-    return out if heads else out.squeeze(1)
+            parts.append(flash_with_lse(q, keys[..., :start, :], values[..., :start, :], False, scale))
+        outs.append(state.combine(ops, parts)[0])
+    return torch.cat(outs, -2)
 
 
 def _flash_per_sequence(queries, keys, values, lengths, scale):
