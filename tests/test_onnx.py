@@ -61,6 +61,29 @@ def test_each_frameworks_layer_exports_and_runs_at_other_lengths(bk, kv_heads, b
 
 
 @pytest.mark.layers
+@pytest.mark.parametrize("kind", ["dot", "additive"])
+def test_each_frameworks_d2l_layers_export_and_run_at_other_lengths(bk, kind, tmp_path):
+    """d2l's DotProductAttention (one Attention node, any widths) and AdditiveAttention (the
+    formula's operations) with lengths and causality, against the layer's own call."""
+    from multiattn.onnx import export
+
+    layer = bk.dot() if kind == "dot" else bk.additive(10, 12, 8)
+    model = export(layer, tmp_path / "d2l.onnx", causal=True, lengths=True)
+    assert _attention_nodes(model) == (kind == "dot")
+    session = _session(model)
+    rng = np.random.default_rng(6)
+    for n, width in ((3, 10), (7, 5)):  # the dot-product model takes any query width
+        x = {name: rng.normal(size=(B, n, size)).astype(np.float32) for name, size in (
+            ("queries", width if kind == "dot" else 12), ("keys", width if kind == "dot" else 10),
+            ("values", 6))}  # fmt: skip
+        lens = np.array([n - 1, 0])
+        given = [bk.tensor(x[name], "float32") for name in ("queries", "keys", "values")]
+        want = bk.call(layer, *given, bk.tensor(lens), causal=True)
+        got = session.run(None, dict(x, valid_lens=lens))[0]
+        np.testing.assert_allclose(got, bk.numpy(want), atol=2e-5, rtol=0)
+
+
+@pytest.mark.layers
 def test_a_layers_decoding_model_steps_as_its_call_with_a_cache(bk):
     from multiattn.onnx import export
 
@@ -85,6 +108,10 @@ def _user_score(score, b, h, q_idx, kv_idx):  # a float constant times the posit
 
 def _user_table(score, b, h, q_idx, kv_idx):  # a captured numpy table read at the positions
     return score + mods.take(TABLE, h, q_idx - kv_idx + 9)
+
+
+def _user_capped(score, b, h, q_idx, kv_idx):  # neither a bias nor softcap alone
+    return 2.0 * mods.tanh(score / 2.0) + 0.1 * h * (kv_idx - q_idx)
 
 
 # name: (export keywords, the reference's keywords (mask_fn, score_fn, causal), queries, keys)
@@ -132,6 +159,12 @@ CASES = {
         5,
         7,
     ),
+    "user's softcap with a bias, lengths (no Attention node)": (
+        {"score_mod": _user_capped, "lengths": True, "causal": True},
+        {"score_fn": lambda s, b, h, i, j: 2.0 * np.tanh(s / 2.0) + 0.1 * h * (j - i), "causal": True},
+        5,
+        7,
+    ),
     "user's table": (
         {"score_mod": _user_table},
         {"score_fn": lambda s, b, h, i, j: s + TABLE[h, i - j + 9]},
@@ -152,7 +185,7 @@ def test_exported_calls_match_the_float64_reference(case, opset):
 
     given, ref, n_queries, n_keys = CASES[case]
     model = export_attention(num_heads=H, num_kv_heads=KV, head_dim=D, opset=opset, **given)
-    assert _attention_nodes(model) == 1
+    assert _attention_nodes(model) == ("no Attention node" not in case)
     rng = np.random.default_rng(len(case))
     feeds = {
         "queries": rng.normal(size=(B, H, n_queries, D)).astype(np.float32),
@@ -200,6 +233,28 @@ def test_a_decoding_model_steps_as_cached_attention_after_a_prefill():
 
 
 @pytest.mark.backend("numpy")
+def test_a_decoding_model_with_a_score_function_the_node_cannot_take():
+    """The formula's graph with past keys and values: present_* as the node's, the steps as
+    cached_attention's with the same function."""
+    from multiattn.onnx import export_attention
+
+    model = export_attention(num_heads=H, num_kv_heads=KV, head_dim=D, causal=True, cache=True,
+                             score_mod=_user_capped)  # fmt: skip
+    assert _attention_nodes(model) == 0
+    session, rng = _session(model), np.random.default_rng(7)
+    cache = multiattn.KVCache(B, KV, D, like=np.zeros(1, np.float32))
+    past = np.zeros((B, KV, 0, D), np.float32)
+    feeds = {"past_key": past, "past_value": past}
+    for n in (4, 1, 1, 1):
+        q, k, v = (rng.normal(size=(B, heads, n, D)).astype(np.float32) for heads in (H, KV, KV))
+        want, cache = multiattn.cached_attention(q, k, v, cache, causal=True, score_mod=_user_capped)
+        got, feeds["past_key"], feeds["past_value"] = session.run(
+            None, dict(feeds, queries=q, keys=k, values=v)
+        )
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.backend("numpy")
 def test_a_decoding_step_with_documents_and_a_mask_over_the_past():
     """The mask and the document ids cover the past keys, then the new ones; the queries sit
     after the past (and multiattn's own call with query_offset takes the same ids)."""
@@ -240,14 +295,17 @@ def test_what_the_node_cannot_take_is_refused_naming_the_argument():
         export_attention(num_heads=H, head_dim=D, opset=22)
     with pytest.raises(ValueError, match="num_kv_heads must divide num_heads=4, got 3"):
         export_attention(num_heads=H, num_kv_heads=3, head_dim=D)
-    with pytest.raises(ValueError, match="must add a bias to the scores"):
-        export_attention(num_heads=H, head_dim=D, score_mod=lambda s, b, h, q, k: s * 2.0)
     with pytest.raises(ValueError, match="query_offset must be 0"):
         export_attention(num_heads=H, head_dim=D, cache=True, query_offset=3)
     with pytest.raises(TypeError, match="needs num_heads="):
         export({"W_q": np.eye(4)})
     with pytest.raises(TypeError, match="layer must be a multiattn MultiHeadAttention"):
-        export(multiattn.backends.numpy.DotProductAttention())
+        export(object())
+    with pytest.raises(ValueError, match="cache=True is for MultiHeadAttention's decoding step, not "
+                       "DotProductAttention"):  # fmt: skip
+        export(multiattn.backends.numpy.DotProductAttention(), cache=True)
+    with pytest.raises(TypeError, match="num_heads= and num_kv_heads= are for multi-head attention"):
+        export({"W_q": np.eye(4), "W_k": np.eye(4), "w_v": np.ones(4)}, num_heads=2)
 
 
 @pytest.mark.backend("numpy")
