@@ -255,6 +255,34 @@ def test_a_decoding_model_with_a_score_function_the_node_cannot_take():
 
 
 @pytest.mark.backend("numpy")
+def test_a_grouped_layer_with_a_score_function_the_node_cannot_take():
+    """The formula's graph from a layer's projections (batch, n, heads * width): grouped heads,
+    lengths and causality, then its decoding model step by step, as the layer's calls."""
+    from multiattn.onnx import export
+
+    layer = multiattn.backends.numpy.MultiHeadAttention(16, H, num_kv_heads=KV, bias=True, seed=1)
+    rng = np.random.default_rng(8)
+    x = rng.normal(size=(B, 6, 16)).astype(np.float32)
+    lens = np.array([5, 0])
+    got = _session(export(layer, score_mod=_user_capped, causal=True, lengths=True)).run(
+        None, {"queries": x, "keys": x, "values": x, "valid_lens": lens}
+    )[0]
+    want = layer(x, x, x, lens, causal=True, score_mod=_user_capped)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    session = _session(export(layer, score_mod=_user_capped, causal=True, cache=True))
+    cache = layer.new_cache(B, like=x)
+    past = np.zeros((B, KV, 0, 16 // H), np.float32)
+    feeds = {"past_key": past, "past_value": past}
+    for lo, hi in [(0, 3), (3, 4), (4, 5)]:
+        part = x[:, lo:hi]
+        want, cache = layer(part, part, part, causal=True, cache=cache, score_mod=_user_capped)
+        got, feeds["past_key"], feeds["past_value"] = session.run(
+            None, dict(feeds, queries=part, keys=part, values=part)
+        )
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.backend("numpy")
 def test_a_decoding_step_with_documents_and_a_mask_over_the_past():
     """The mask and the document ids cover the past keys, then the new ones; the queries sit
     after the past (and multiattn's own call with query_offset takes the same ids)."""
