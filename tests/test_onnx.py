@@ -255,6 +255,26 @@ def test_a_decoding_model_with_a_score_function_the_node_cannot_take():
 
 
 @pytest.mark.backend("numpy")
+@pytest.mark.parametrize("opset", [23, 24])
+def test_lengths_per_query_as_d2l_layers_take_them(opset):
+    """valid_lens (batch, queries), as d2l's decoder passes them, for the three layers."""
+    from multiattn.onnx import export
+
+    numpy_layers = multiattn.backends.numpy
+    layers = (numpy_layers.DotProductAttention(), numpy_layers.AdditiveAttention(8, 8, 6),
+              numpy_layers.MultiHeadAttention(8, 2, num_kv_heads=1, seed=2))  # fmt: skip
+    x = np.random.default_rng(9).normal(size=(B, 5, 8)).astype(np.float32)
+    lens = np.array([[1, 2, 0, 5, 3], [4, 4, 4, 1, 0]])  # a row that sees nothing: 0
+    for layer in layers:
+        model = export(layer, lengths="per_query", causal=True, opset=opset)
+        got = _session(model).run(None, {"queries": x, "keys": x, "values": x, "valid_lens": lens})[0]
+        want = layer(x, x, x, lens, causal=True)
+        np.testing.assert_allclose(got, want[0] if isinstance(want, tuple) else want, atol=2e-5, rtol=0)
+    with pytest.raises(TypeError, match="lengths must be True, False or 'per_query', got 'yes'"):
+        export(layers[0], lengths="yes")
+
+
+@pytest.mark.backend("numpy")
 def test_a_grouped_layer_with_a_score_function_the_node_cannot_take():
     """The formula's graph from a layer's projections (batch, n, heads * width): grouped heads,
     lengths and causality, then its decoding model step by step, as the layer's calls."""

@@ -7,7 +7,8 @@ function the node cannot take (neither a bias nor a soft-cap), and additive atte
 formula's operations instead.  Needs the ``onnx`` package (``pip install ".[onnx]"``;
 onnxruntime to run them).
 
-Inputs: ``queries``, ``keys``, ``values``; ``valid_lens`` (batch,) int64 with ``lengths=True``;
+Inputs: ``queries``, ``keys``, ``values``; ``valid_lens`` (batch,) int64 with ``lengths=True``,
+(batch, queries) with ``lengths="per_query"``;
 ``attention_mask`` (batch, queries, keys) bool (True: may attend) with ``attention_mask=True``;
 ``document_ids`` (batch, keys) int64 where ``mask_mod`` holds ``mods.document``; ``past_key``,
 ``past_value`` with ``cache=True`` (the mask's and the ids' keys then count the past ones
@@ -234,10 +235,11 @@ class _Spec:
             raise ValueError(f"opset must be one of {OPSETS} (ONNX's Attention node), got {opset!r}")
         if str(dtype) not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-        for arg, flag in (("causal", causal), ("lengths", lengths), ("attention_mask", attention_mask),
-                          ("cache", cache)):  # fmt: skip
+        for arg, flag in (("causal", causal), ("attention_mask", attention_mask), ("cache", cache)):
             if not isinstance(flag, bool):
                 raise TypeError(f"{arg} must be True or False, got {flag!r}")
+        if not isinstance(lengths, bool) and lengths != "per_query":
+            raise TypeError(f"lengths must be True, False or 'per_query', got {lengths!r}")
         if isinstance(query_offset, bool) or not isinstance(query_offset, int):
             raise TypeError(f"query_offset must be an int (the first query's position), got {query_offset!r}")
         if cache and query_offset:
@@ -322,14 +324,19 @@ def _mask(g: Graph, spec: _Spec, like: Value, block: tuple, batch: Value, n_keys
         found = fn.values(ops, like, spec.heads, block, batch)
         mask = found if mask is None else ops.logical_and(mask, found)
     if spec.lengths:
-        lens = g.input("valid_lens", np.int64, ("batch",))
-        if nonpad_ok:  # clipped to [0, keys] as multiattn's calls read them (onnxruntime refuses others)
+        per_query = spec.lengths == "per_query"
+        lens = g.input("valid_lens", np.int64, ("batch", "queries") if per_query else ("batch",))
+        if nonpad_ok and not per_query:  # clipped to [0, keys] as multiattn reads them
             nonpad = g.op(
                 "Max", [g.op("Min", [lens, n_keys], np.int64, (None,)), g.value(0)], np.int64, (None,)
             )
         else:
             keys = ops.reshape(ops.positions(0, n_keys, like), (1, 1, 1, -1))
-            found = keys < ops.reshape(lens, (-1, 1, 1, 1))
+            if per_query:  # (batch, queries) -> (batch, 1, queries, 1)
+                bound = ops.expand_dims(ops.expand_dims(lens, 1), -1)
+            else:
+                bound = ops.reshape(lens, (-1, 1, 1, 1))
+            found = keys < bound
             mask = found if mask is None else ops.logical_and(mask, found)
     if spec.attention_mask:
         keys = "past_and_keys" if spec.cache else "keys"  # every key the queries see
