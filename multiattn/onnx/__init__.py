@@ -104,11 +104,7 @@ def export(
                      dtype)  # fmt: skip
         build = _dot_product_layer if kind == "DotProductAttention" else _additive_layer
         outputs, g = build(layer, spec)
-        name = (
-            kind
-            if isinstance(layer, Mapping) and not isinstance(layer, AttentionCall)
-            else type(layer).__name__
-        )
+        name = type(layer).__name__ if isinstance(layer, AttentionCall) else kind  # a layer, or weights
         return _save(g.model(outputs, opset, doc=f"multiattn.onnx.export of {name}: {spec}"), path)
     weights, heads, kv_heads = _weights_of(layer, num_heads, num_kv_heads)
     head_dim = weights["W_q"].shape[0] // heads
