@@ -25,7 +25,7 @@ import functools
 import math
 import os
 import weakref
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -509,7 +509,7 @@ class _Steps:
         block); finished, (out, lse), where last."""
         ops, blocks, b = self.ops, self.blocks, self.blocks.bmap.block
         if masked and self.score is None and self._on_diagonal(i, j, q, k):
-            kind, args = DIAGONAL, ()  # its mask is the causal one: made in the step
+            kind, args = StepKind(diagonal=True, full=False, last=last), ()  # its mask: made in the step
         else:
             seen = blocks.seen(i, j, q, k) if masked else None
             hide = masked and not self.finite_values and blocks.hides_values(i, j, k)
@@ -518,8 +518,8 @@ class _Steps:
                 s = self.score(q, k, block=(i * b, i * b + n_queries, j * b, j * b + n_keys))
                 found = _sums(ops, False, hide, False, s, v, seen, *state)
                 return finish(ops, found) if last else found
-            kind, args = (self.fused and not masked, hide, seen is None), (() if seen is None else (seen,))
-        kind = (kind, last)
+            kind = StepKind(fused=self.fused and not masked, hide=hide, full=seen is None, last=last)
+            args = () if seen is None else (seen,)
         step = _program(ops, kind) if self.compiled else functools.partial(_step, ops, kind)
         return step(q, k, v, *args, *state)
 
@@ -532,21 +532,29 @@ class _Steps:
         return 1 < side == self.ops.shape(k)[-2]
 
 
-DIAGONAL = "diagonal"  # a square block on the causal diagonal, in two halves (``_diagonal``)
+class StepKind(NamedTuple):
+    """What a block's step does (the key of its compiled program): a square on the causal
+    diagonal in two halves (``_diagonal``), or q k^T and the sums, by the framework's fused
+    softmax where fused, its hidden values 0 where hide, with no mask where full; finished,
+    (out, lse), where last."""
+
+    diagonal: bool = False
+    fused: bool = False
+    hide: bool = False
+    full: bool = True
+    last: bool = False
 
 
-def _step(ops: Ops, kind: Any, q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor) -> tuple:
-    """The dot-product step of a kind of block, ((fused, hide, full) or DIAGONAL, last): q k^T,
-    then the sums, finished where last; tensors: the block's mask (not where full), then the
-    running sums (none for a row's first block)."""
-    (block, last), tensors = kind, tuple(tensors)
-    if block == DIAGONAL:
+def _step(ops: Ops, kind: StepKind, q: Tensor, k: Tensor, v: Tensor, *tensors: Tensor) -> tuple:
+    """The dot-product step of a kind of block; tensors: the block's mask (not where full),
+    then the running sums (none for a row's first block)."""
+    tensors = tuple(tensors)
+    if kind.diagonal:
         found = _diagonal(ops, q, k, v, *tensors)
     else:
-        fused, hide, full = block
-        seen, state = (None, tensors) if full else (tensors[0], tensors[1:])
-        found = _sums(ops, fused, hide, True, heads.matmul_t(ops, q, k), v, seen, *state)
-    return finish(ops, found) if last else found
+        seen, state = (None, tensors) if kind.full else (tensors[0], tensors[1:])
+        found = _sums(ops, kind.fused, kind.hide, True, heads.matmul_t(ops, q, k), v, seen, *state)
+    return finish(ops, found) if kind.last else found
 
 
 def _diagonal(ops: Ops, q: Tensor, k: Tensor, v: Tensor, *state: Tensor) -> tuple:
@@ -574,7 +582,7 @@ def _sums(ops: Ops, fused: bool, hide: bool, owned: bool, s: Tensor, v: Tensor, 
     return block_sums(ops, s, v, seen, state or None, owned=owned)
 
 
-def _program(ops: Ops, kind: Any) -> Callable[..., tuple]:
+def _program(ops: Ops, kind: StepKind) -> Callable[..., tuple]:
     """``_step`` of a kind compiled by the framework, made once per process."""
     programs = _PROGRAMS.get(ops)
     if programs is None:
