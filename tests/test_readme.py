@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -99,8 +100,9 @@ def _close(sample: str, real: str) -> bool:
 @pytest.mark.shared
 def test_the_readme_sample_is_what_check_prints(bk):
     """Each sample row of a backend under test against a real run of its cases; the summary line
-    against the run of every backend it names, where all of them are under test."""
-    from multiattn.check import build_rows, render, run_check
+    against the run of every backend it names, where all of them are under test (in `tox`'s
+    `all` env the run of `multiattn check --json` just before, MULTIATTN_CHECK_JSON: not twice)."""
+    from multiattn.check import build_rows, load_json, render, run_check
     from multiattn.check.cases import make_cases
 
     from .conftest import backends_under_test
@@ -110,7 +112,10 @@ def test_the_readme_sample_is_what_check_prints(bk):
     if bk.name != backends_under_test()[0]:
         return  # one run: of its own backend, or of every one where all are under test
     names = named if everyone else [bk.name]
-    table = render(build_rows(run_check(names, in_process=True), make_cases(0))).splitlines()
+    ran = os.environ.get("MULTIATTN_CHECK_JSON") if everyone else None
+    results, seed, _ = load_json([ran]) if ran else (run_check(names, in_process=True), 0, None)
+    assert sorted(results) == sorted(names)
+    table = render(build_rows(results, make_cases(seed))).splitlines()
     assert _cells(table[0]) == _cells(SAMPLE[0])  # column widths follow the backends' names
     real = {tuple(_cells(line)[:3]): _cells(line) for line in table[2:] if line.strip()}
     for line in SAMPLE[2:-1]:
